@@ -1,0 +1,6 @@
+import typer
+
+
+def serve() -> None:
+    """Not implemented yet."""
+    raise typer.Exit(2)

@@ -1,0 +1,268 @@
+"""Pydantic models for ``fleet.yaml``: one model per concern, unknown keys rejected.
+
+The whole file is a :class:`FleetConfig`. Each section lives in its own class so the
+CLI, the JSON schema (``lmfleet config schema``) and the docs come from one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class EngineConfig(_Strict):
+    """vLLM engine options for one model. Field names follow vLLM's engine arguments."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per pipeline stage (vLLM --tensor-parallel-size).")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (vLLM --pipeline-parallel-size).")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length in tokens (prompt + output). Default: the model's own."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32", "half", "float"] = Field(
+        "auto", description="Weight/activation dtype."
+    )
+    quantization: Literal["fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "bitsandbytes", "compressed-tensors"] | None = (
+        Field(None, description="Weight quantization method, or null for none.")
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field("auto", description="KV-cache dtype.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Fraction of each GPU's memory vLLM may use (weights + KV cache + activations)."
+    )
+    enable_prefix_caching: bool | None = Field(None, description="Automatic prefix caching. Null: vLLM's default.")
+    enable_chunked_prefill: bool | None = Field(None, description="Chunked prefill. Null: vLLM's default.")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="Token budget of one engine step.")
+    max_num_seqs: int | None = Field(None, ge=1, description="Sequences in flight per engine (vLLM's batch size).")
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint.")
+    cpu_kvcache_space_gib: float | None = Field(
+        None, gt=0, description="CPU engines only: KV-cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE)."
+    )
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict, description="Any other vLLM engine argument, passed through unchanged."
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_shadowing(cls, v: dict[str, Any]) -> dict[str, Any]:
+        clash = sorted(set(v) & set(cls.model_fields) - {"extra_args"})
+        if clash:
+            raise ValueError(f"extra_args repeats typed engine options {clash}; set them as engine keys instead")
+        return v
+
+    def vllm_kwargs(self) -> dict[str, Any]:
+        """Engine keyword arguments for vLLM (only the options that were set)."""
+        skip = {"extra_args", "cpu_kvcache_space_gib"}
+        out = {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
+        out.update(self.extra_args)
+        return out
+
+
+class AutoscalingConfig(_Strict):
+    """Ray Serve autoscaling for one model's replicas."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept up.")
+    max_replicas: int = Field(1, ge=1, description="Most replicas started under load.")
+    target_ongoing_requests: float = Field(16, gt=0, description="In-flight requests per replica the autoscaler aims for.")
+    upscale_delay_s: float = Field(30.0, ge=0, description="How long load must stay high before adding replicas.")
+    downscale_delay_s: float = Field(600.0, ge=0, description="How long load must stay low before removing replicas.")
+
+    @model_validator(mode="after")
+    def _order(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} must be <= max_replicas={self.max_replicas}")
+        return self
+
+
+class DeploymentConfig(_Strict):
+    """How many replicas of a model run and how much each accepts."""
+
+    replicas: int | None = Field(1, ge=1, description="Fixed replica count (ignored when autoscaling is set).")
+    autoscaling: AutoscalingConfig | None = Field(None, description="Autoscaling instead of a fixed count.")
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests one replica takes at once; more wait in Ray Serve.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Whole-request limit at the gateway (504 after it).")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None, description="Ray placement-group strategy for one replica's bundles. Default: STRICT_PACK within a node."
+    )
+
+    def min_replicas(self) -> int:
+        return self.autoscaling.min_replicas if self.autoscaling else (self.replicas or 1)
+
+
+class CostConfig(_Strict):
+    """What local serving costs, for the ledger: price per GPU-hour times the GPUs a replica holds."""
+
+    gpu_hour_usd: float = Field(0.0, ge=0, description="Electricity + depreciation per GPU-hour (USD).")
+    node_hour_usd: float = Field(0.0, ge=0, description="Fixed cost per replica-hour for CPU-only engines (USD).")
+
+
+class OverflowPolicyConfig(_Strict):
+    """When a model's requests go to external providers instead of waiting locally."""
+
+    enabled: bool = Field(True, description="Overflow allowed for this model (operators can toggle at run time).")
+    threshold_ms: float = Field(2500.0, gt=0, description="Predicted local wait before first token above which to overflow.")
+    hysteresis: float = Field(
+        0.2, ge=0, lt=1, description="Once overflowing, keep doing so until the estimate drops below threshold*(1-hysteresis)."
+    )
+    providers: list[str] | None = Field(None, description="Provider names in priority order. Null: all, in file order.")
+
+
+class ModelConfig(_Strict):
+    """One served model: where its weights come from, its engine and its deployment."""
+
+    name: str = Field(..., pattern=_NAME_RE, description="Model name clients send in the `model` field.")
+    source: str = Field(
+        ...,
+        min_length=1,
+        description="Weights: `builtin:smollm2`, `builtin:tiny-random`, a local folder, or a Hugging Face repo id.",
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer folder or repo id, if not the source's.")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
+    overflow: OverflowPolicyConfig = Field(default_factory=OverflowPolicyConfig)
+
+    @field_validator("source")
+    @classmethod
+    def _builtin_known(cls, v: str) -> str:
+        if v.startswith("builtin:"):
+            from lmfleet.models.registry import BUILTIN_MODELS
+
+            if v.removeprefix("builtin:") not in BUILTIN_MODELS:
+                raise ValueError(f"unknown builtin model {v!r}; expected one of {sorted('builtin:' + k for k in BUILTIN_MODELS)}")
+        return v
+
+
+class GatewayConfig(_Strict):
+    """The OpenAI-compatible HTTP gateway in front of every model."""
+
+    host: str = Field("127.0.0.1", description="Listen address. Loopback unless told otherwise.")
+    port: int = Field(8000, ge=1, le=65535, description="Listen port.")
+    serve_port: int = Field(8001, ge=1, le=65535, description="Ray Serve's internal HTTP port (loopback).")
+    api_keys_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Env var holding comma-separated client API keys."
+    )
+    api_keys_file: str | None = Field(None, description="File with one client API key per line.")
+    admin_key_env: str | None = Field(
+        "LMFLEET_ADMIN_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Env var holding the admin API key."
+    )
+    health_poll_s: float = Field(2.0, gt=0, description="How often the gateway polls deployment health.")
+
+
+class ProviderPrice(_Strict):
+    input_per_1m: float = Field(0.0, ge=0, description="USD per 1M input (prompt) tokens.")
+    output_per_1m: float = Field(0.0, ge=0, description="USD per 1M output tokens.")
+
+
+class ProviderTimeouts(_Strict):
+    connect_s: float = Field(5.0, gt=0, description="TCP/TLS connect timeout.")
+    total_s: float = Field(300.0, gt=0, description="Whole-request timeout.")
+    first_token_s: float = Field(30.0, gt=0, description="Time allowed before the first byte of the answer.")
+
+
+class BreakerConfig(_Strict):
+    consecutive_failures: int = Field(5, ge=1, description="Failures in a row that open the breaker.")
+    error_rate: float = Field(0.5, gt=0, le=1, description="Error rate over the window that opens the breaker.")
+    window: int = Field(20, ge=1, description="Requests in the error-rate window.")
+    cooldown_s: float = Field(30.0, gt=0, description="How long the breaker stays open before a half-open probe.")
+
+
+class ProviderConfig(_Strict):
+    """An external OpenAI-compatible endpoint that takes overflow."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Provider name (in headers and the ledger).")
+    base_url: str = Field(..., pattern=r"^https?://", description="OpenAI-compatible base URL, e.g. https://api.example.com/v1")
+    api_key_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Env var holding the provider API key (never inline)."
+    )
+    model_map: dict[str, str] = Field(..., min_length=1, description="Local model name -> provider model name.")
+    price: ProviderPrice = Field(default_factory=ProviderPrice)
+    timeouts: ProviderTimeouts = Field(default_factory=ProviderTimeouts)
+    max_concurrency: int | None = Field(None, ge=1, description="Cap on requests in flight to this provider.")
+    max_retries: int = Field(2, ge=0, le=10, description="Retries on retryable errors (5xx, 429, connect).")
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+
+
+class BudgetConfig(_Strict):
+    """Spend caps for external providers."""
+
+    hourly_usd: float | None = Field(None, ge=0, description="External spend cap per rolling hour (USD).")
+    daily_usd: float | None = Field(None, ge=0, description="External spend cap per rolling day (USD).")
+    on_exhausted: Literal["queue", "reject"] = Field(
+        "queue", description="When spent: keep requests local (queue) or answer 429 with Retry-After (reject)."
+    )
+
+
+class LedgerConfig(_Strict):
+    path: str = Field("~/.cache/lmfleet/ledger.sqlite", description="SQLite file of per-request usage and cost.")
+
+
+class NodeConfig(_Strict):
+    """One machine of the cluster."""
+
+    address: str = Field(..., min_length=1, description="IP address or hostname.")
+    gpus: int | None = Field(None, ge=0, description="GPUs on this node (default: cluster.gpus_per_node).")
+    labels: dict[str, str] = Field(default_factory=dict, description="Ray node labels.")
+
+
+class SshConfig(_Strict):
+    user: str = Field("ubuntu", description="SSH user on every node.")
+    key_path: str = Field("~/.ssh/id_rsa", description="Path of the private key (the key itself never goes in the file).")
+
+
+class ClusterConfig(_Strict):
+    """The Ray cluster: join an existing one, or describe nodes for `lmfleet cluster up`."""
+
+    address: str | None = Field(None, description="Ray address to join (else RAY_ADDRESS, else start a local head).")
+    name: str = Field("lmfleet", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", description="Cluster name for Ray's launcher.")
+    num_cpus: int | None = Field(None, ge=1, description="Logical CPUs for a locally started head (default: max(8, cores)).")
+    head: NodeConfig | None = Field(None, description="Head node.")
+    workers: list[NodeConfig] = Field(default_factory=list, description="Worker nodes.")
+    ssh: SshConfig = Field(default_factory=SshConfig)
+    gpus_per_node: int = Field(0, ge=0, description="GPUs on each node unless the node says otherwise.")
+    ray_port: int = Field(6379, ge=1, le=65535, description="Ray GCS port on the head.")
+    setup_commands: list[str] = Field(default_factory=list, description="Shell commands run on every node before Ray starts.")
+    min_link_gbps: float = Field(10.0, gt=0, description="Links slower than this between nodes are flagged for tensor parallelism.")
+
+
+class FleetConfig(_Strict):
+    """A whole fleet: cluster, gateway, models, overflow providers, budget."""
+
+    version: Literal[1] = Field(1, description="Config format version.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    models: list[ModelConfig] = Field(..., min_length=1, description="Models to serve.")
+    providers: list[ProviderConfig] = Field(default_factory=list, description="External providers, in priority order.")
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+
+    @model_validator(mode="after")
+    def _cross_refs(self) -> "FleetConfig":
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {dupes}")
+        pnames = [p.name for p in self.providers]
+        pdupes = sorted({n for n in pnames if pnames.count(n) > 1})
+        if pdupes:
+            raise ValueError(f"provider names must be unique; repeated: {pdupes}")
+        for m in self.models:
+            for p in m.overflow.providers or []:
+                if p not in pnames:
+                    raise ValueError(f"model {m.name!r}: overflow provider {p!r} is not in providers {pnames}")
+        for p in self.providers:
+            unknown = sorted(set(p.model_map) - set(names))
+            if unknown:
+                raise ValueError(f"provider {p.name!r}: model_map names unknown local models {unknown}; served: {names}")
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+DONE_MARK = ".lmfleet-complete"
+
+
+def is_complete(dest: Path) -> bool:
+    return (dest / DONE_MARK).exists()
+
+
+@contextlib.contextmanager
+def building(dest: Path) -> Iterator[Path | None]:
+    """Build into a temp folder next to ``dest`` and rename it into place when the block succeeds.
+
+    Yields None when another process finished ``dest`` while we waited for the lock.
+    A failed or interrupted build leaves nothing behind.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(dest):
+            yield None
+            return
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        try:
+            yield tmp
+            (tmp / DONE_MARK).write_text("ok\n")
+            if dest.exists():
+                shutil.rmtree(dest)
+            tmp.rename(dest)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
