@@ -1,11 +1,185 @@
-"""Placeholder: `lmfleet cluster` is not implemented yet."""
+"""`lmfleet cluster`: bring a Ray cluster up or down, join a worker by hand, show the fleet's state."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
 
 import typer
+import yaml
 
-app = typer.Typer(help="Not implemented yet.", no_args_is_help=True)
+from lmfleet.cluster.join import JoinError, JoinSpec, auth_env, normalize_head_address, parse_labels, ray_start_argv
+from lmfleet.cluster.launcher import LauncherError, launcher_config, launcher_warnings, manual_commands
+from lmfleet.cluster.placement import nodes_from_cluster, plan_placement
+from lmfleet.config.models import FleetConfig
+
+app = typer.Typer(help="Start, join and inspect the Ray cluster the fleet runs on.", no_args_is_help=True)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="Fleet file (its `cluster:` section).")
 
 
-@app.command("todo")
-def todo() -> None:
-    """Not implemented yet."""
-    raise typer.Exit(2)
+def _ray_bin() -> str:
+    """The `ray` script of this Python environment (the venv's, not whatever is first on PATH)."""
+    local = Path(sys.executable).parent / "ray"
+    return str(local) if local.exists() else (shutil.which("ray") or "ray")
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _load(path: Optional[Path]) -> FleetConfig:
+    from lmfleet.cli.main import load_or_exit
+
+    return load_or_exit(path)
+
+
+def _launcher_file(cfg: FleetConfig) -> tuple[Path, str]:
+    try:
+        text = yaml.safe_dump(launcher_config(cfg.cluster), sort_keys=False)
+    except LauncherError as e:
+        raise _fail(str(e)) from None
+    path = Path(cfg.cluster.launcher_path or f".lmfleet/{cfg.cluster.name}.ray-cluster.yaml").expanduser()
+    return path, "# Ray cluster launcher file written by `lmfleet cluster up`; regenerated on every run.\n" + text
+
+
+def _ensure_token(path_text: str) -> Path:
+    """The local token file `ray up` copies to every node; created (0600) if missing, never printed."""
+    path = Path(path_text).expanduser()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        typer.echo(f"created a new Ray auth token in {path} (mode 0600)", err=True)
+    return path
+
+
+def _show_plan(cfg: FleetConfig) -> None:
+    nodes = nodes_from_cluster(cfg.cluster)
+    if not nodes or not any(n.gpus for n in nodes):
+        return
+    plan = plan_placement(cfg.models, nodes, gpu=True)
+    typer.echo("# Placement plan (from the fleet file's GPU counts):")
+    typer.echo("\n".join(f"#   {line}" for line in plan.explain().splitlines()))
+
+
+@app.command("up")
+def up(
+    config: Optional[Path] = ConfigOpt,
+    print_only: bool = typer.Option(False, "--print", help="Show the launcher file and the manual commands; run nothing."),
+    yes: bool = typer.Option(True, "--yes/--confirm", help="Pass -y to `ray up` (no interactive prompt)."),
+) -> None:
+    """Write Ray's cluster launcher file from `cluster:` and start the cluster with `ray up`."""
+    cfg = _load(config)
+    path, text = _launcher_file(cfg)
+    for w in launcher_warnings(cfg.cluster):
+        typer.echo(f"warning: {w}", err=True)
+    if print_only:
+        typer.echo(f"# {path}\n{text}")
+        typer.echo("# Or by hand, without ray up:")
+        typer.echo("\n".join(manual_commands(cfg.cluster)))
+        _show_plan(cfg)
+        return
+    _ensure_token(cfg.cluster.auth_token_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    typer.echo(f"wrote {path}")
+    argv = [_ray_bin(), "up", str(path), *(["-y"] if yes else [])]
+    typer.echo("running: " + " ".join(argv))
+    raise typer.Exit(subprocess.call(argv))
+
+
+@app.command("down")
+def down(
+    config: Optional[Path] = ConfigOpt,
+    print_only: bool = typer.Option(False, "--print", help="Show the command; run nothing."),
+) -> None:
+    """Stop the cluster that `cluster up` started (`ray down` on the same launcher file)."""
+    cfg = _load(config)
+    path, text = _launcher_file(cfg)
+    argv = [_ray_bin(), "down", str(path), "-y"]
+    if print_only:
+        typer.echo(" ".join(argv))
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    raise typer.Exit(subprocess.call(argv))
+
+
+@app.command("join")
+def join(
+    head_address: str = typer.Argument(..., help="The head's HOST or HOST:PORT (its GCS port, 6379 by default)."),
+    num_cpus: Optional[int] = typer.Option(None, "--num-cpus", min=0, help="Logical CPUs to offer (default: Ray's count)."),
+    num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=0, help="GPUs to offer (default: Ray's count)."),
+    label: list[str] = typer.Option([], "--label", help="Node label KEY=VALUE (repeatable)."),
+    node_ip_address: Optional[str] = typer.Option(None, "--node-ip-address", help="This node's address as the head sees it."),
+    temp_dir: Optional[str] = typer.Option(None, "--temp-dir", help="Ray's temp/log folder for this node."),
+    token_file: Optional[Path] = typer.Option(
+        None, "--token-file", help="File holding the head's Ray auth token (else RAY_AUTH_TOKEN[_PATH], ~/.ray/auth_token)."
+    ),
+    no_auth: bool = typer.Option(False, "--no-auth", help="The head runs without token auth (RAY_AUTH_MODE=disabled)."),
+    block: bool = typer.Option(False, "--block", help="Stay in the foreground until the node stops."),
+    print_only: bool = typer.Option(False, "--print", help="Show the command (without the token); run nothing."),
+) -> None:
+    """Join this machine to a running cluster as a worker (for nodes started by hand, e.g. rented VPS)."""
+    try:
+        spec = JoinSpec(
+            head_address=normalize_head_address(head_address),
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            labels=parse_labels(label),
+            node_ip_address=node_ip_address,
+            temp_dir=temp_dir,
+            block=block,
+        )
+        env_add = auth_env(os.environ, str(token_file) if token_file else None, auth=not no_auth)
+    except JoinError as e:
+        raise _fail(str(e)) from None
+    argv = ray_start_argv(spec, _ray_bin())
+    shown = " ".join(f"{k}={v}" for k, v in env_add.items()) + " " + " ".join(argv)
+    if print_only:
+        typer.echo(shown)
+        return
+    typer.echo(f"joining {spec.head_address}: {shown}", err=True)
+    raise typer.Exit(subprocess.call(argv, env={**os.environ, **env_add}))
+
+
+@app.command("status")
+def status(
+    config: Optional[Path] = ConfigOpt,
+    address: Optional[str] = typer.Option(None, "--address", help="Ray address (default: cluster.address, RAY_ADDRESS, local)."),
+    gateway: Optional[str] = typer.Option(
+        None, "--gateway", help="Gateway base URL for per-model load (default: the fleet file's gateway)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Nodes (alive/dead, CPUs, GPUs and free memory, labels), replicas and where they run, per-model load."""
+    from lmfleet.cluster.probe import collect_status
+
+    cfg = _load(config) if config else None
+    ray_address = address or (cfg.cluster.address if cfg else None)
+    gateway_url = gateway
+    admin_key = None
+    if cfg is not None:
+        gw = cfg.gateway
+        gateway_url = gateway_url or f"http://{'127.0.0.1' if gw.host in ('0.0.0.0', '::') else gw.host}:{gw.port}"
+        admin_key = os.environ.get(gw.admin_key_env) if gw.admin_key_env else None
+    try:
+        st = collect_status(ray_address, gateway_url, admin_key)
+    except ConnectionError as e:
+        raise _fail(f"cannot reach the Ray cluster at {ray_address or 'RAY_ADDRESS/auto'}: {e}", 1) from None
+    if as_json:
+        typer.echo(json.dumps(st.to_dict(), indent=2))
+    else:
+        from lmfleet.cluster.status import render_status
+
+        typer.echo(render_status(st), nl=False)
+    raise typer.Exit(0 if st.state == "healthy" else 3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -11,6 +12,10 @@ import typer
 
 from lmfleet.config import ConfigError, default_config_text, load_config
 from lmfleet.config.models import FleetConfig
+
+# lmfleet runs on air-gapped clusters: no telemetry unless the operator turns it on
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 app = typer.Typer(
     name="lmfleet",

@@ -1,6 +1,30 @@
+"""``lmfleet serve``: deploy the fleet on Ray Serve + vLLM and run the gateway in front."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
 import typer
 
 
-def serve() -> None:
-    """Not implemented yet."""
-    raise typer.Exit(2)
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Fleet file (default: the embedded default fleet)."),
+    host: Optional[str] = typer.Option(None, help="Gateway listen address (default: gateway.host, 127.0.0.1)."),
+    port: Optional[int] = typer.Option(None, help="Gateway port (default: gateway.port, 8000)."),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="Ray cluster to join (default: RAY_ADDRESS, then cluster.address, else a local head)."),
+    deploy_timeout: float = typer.Option(900.0, help="Seconds to wait for every engine to come up."),
+) -> None:
+    """Deploy every model of the fleet on Ray Serve (vLLM engines) and serve the OpenAI-compatible gateway."""
+    from lmfleet.cli.main import load_or_exit
+    from lmfleet.serve.runner import run_serve
+
+    fleet = load_or_exit(config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "ray", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    code = run_serve(fleet, host=host or fleet.gateway.host, port=port or fleet.gateway.port, address=address,
+                     deploy_timeout_s=deploy_timeout, progress=lambda s: typer.echo(s, err=False))
+    raise typer.Exit(code)

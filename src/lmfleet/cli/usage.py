@@ -1,9 +1,88 @@
-"""Placeholder: `lmfleet usage` is not implemented yet."""
+"""``lmfleet usage``: requests, tokens and cost per backend, read from the ledger."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from lmfleet.overflow.ledger import Ledger, UsageRow
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-def usage() -> None:
-    """Not implemented yet."""
-    typer.echo("not implemented yet", err=True)
-    raise typer.Exit(2)
+def parse_since(value: str, now: float) -> float:
+    """``1h``, ``30m``, ``7d``, ``2w`` (ago from ``now``) or an ISO time (naive = UTC) -> epoch seconds."""
+    m = _DURATION_RE.match(value)
+    if m:
+        return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+    try:
+        dt = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"--since {value!r}: expected a duration like 1h, 24h, 7d or an ISO time like 2026-11-29T12:00") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def _money(x: float) -> str:
+    return f"{x:.6f}" if x < 1 else f"{x:,.2f}"
+
+
+def _table(rows: list[UsageRow], total: UsageRow, title: str) -> Table:
+    t = Table(title=title)
+    t.add_column("served by")
+    for col in ("requests", "input tokens", "output tokens", "cost $", "$/1M output"):
+        t.add_column(col, justify="right")
+    for r in [*rows, total]:
+        per = "-" if r.usd_per_1m_output is None else _money(r.usd_per_1m_output)
+        cells = [r.served_by, f"{r.requests:,}", f"{r.input_tokens:,}", f"{r.output_tokens:,}", _money(r.cost_usd), per]
+        t.add_row(*cells, style="bold" if r is total else None, end_section=r is rows[-1] if rows else False)
+    return t
+
+
+def usage(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Fleet file whose ledger.path to read (default: the embedded default fleet)."),
+    ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger file to read (overrides the fleet file's)."),
+    since: Optional[str] = typer.Option(None, "--since", help="Only requests since: 1h, 24h, 7d, or an ISO time. Default: all."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Show requests, tokens and cost per backend (local model or provider) from the ledger."""
+    if ledger is None:
+        from lmfleet.cli.main import load_or_exit
+
+        path = Path(load_or_exit(config).ledger.path).expanduser()
+    else:
+        path = ledger.expanduser()
+    if not path.exists():
+        typer.echo(f"error: no ledger at {path} (nothing served yet, or a different ledger.path)", err=True)
+        raise typer.Exit(1)
+    now = time.time()
+    try:
+        start = parse_since(since, now) if since else None
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    with Ledger(path) as led:
+        rows = led.summary(since=start)
+        total = led.totals(since=start)
+    if as_json:
+        out = {
+            "ledger": str(path),
+            "since": start,
+            "until": now,
+            "rows": [r.as_dict() for r in rows],
+            "total": total.as_dict(),
+        }
+        typer.echo(json.dumps(out, indent=2))
+        return
+    span = "all time" if start is None else f"since {datetime.fromtimestamp(start, timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
+    Console().print(_table(rows, total, f"Usage ({span}) — {path}"))

@@ -93,9 +93,11 @@ def _describe(err: dict[str, Any]) -> str:
         return f"unknown key {key!r}{hint} (allowed here: {', '.join(known)})"
     if err["type"] == "missing":
         return "required key is missing"
+    msg = err["msg"].removeprefix("Value error, ")
     got = err.get("input")
-    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
-    return f"{err['msg']} (got {shown})"
+    if isinstance(got, (dict, list)):
+        return msg
+    return f"{msg} (got {got!r})"
 
 
 def parse_config(data: Any, source: str = "<config>", text: str | None = None) -> FleetConfig:

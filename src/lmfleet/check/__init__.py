@@ -1,0 +1,6 @@
+"""`lmfleet check`: find a fleet's failures before deployment.
+
+Layout: pure decisions (``planner``, ``parallelism``, ``memory``, ``timeouts``, ``tokenizer``, and the
+``check_*`` functions of ``cluster``), the Ray edge (``cluster.gather_inventory``/``measure_links``), the
+node-local NVML probe (``gpu_probe``, standalone), and ``runner``/``report`` that tie them to the CLI.
+"""

@@ -1,0 +1,34 @@
+"""Prometheus metrics of the gateway (one registry per gateway, served at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("lmfleet_requests", "Requests answered, by model, who served them and HTTP status.",
+                                ["model", "served_by", "status"], registry=r)
+        self.errors = Counter("lmfleet_errors", "Error answers by model and HTTP status code.",
+                              ["model", "code"], registry=r)
+        self.latency = Histogram("lmfleet_request_latency_seconds", "End-to-end request latency at the gateway.",
+                                 ["model", "served_by"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("lmfleet_time_to_first_token_seconds", "Time to first token of streamed requests.",
+                              ["model", "served_by"], buckets=_TTFT_BUCKETS, registry=r)
+        self.in_flight = Gauge("lmfleet_in_flight_requests", "Requests in flight at the gateway.",
+                               ["model", "served_by"], registry=r)
+        self.tokens = Counter("lmfleet_tokens", "Tokens processed, by model, who served them and kind.",
+                              ["model", "served_by", "kind"], registry=r)
+        self.cost = Counter("lmfleet_cost_usd", "Cost of served requests in USD.", ["model", "served_by"], registry=r)
+        self.queue_estimate = Gauge("lmfleet_queue_estimate_ms", "Latest predicted local wait before first token.",
+                                    ["model"], registry=r)
+        self.overflowed = Counter("lmfleet_routed", "Routing decisions by model, target and reason.",
+                                  ["model", "target", "reason"], registry=r)
+        self.model_ready = Gauge("lmfleet_model_ready", "1 when the model's local deployment is serving.",
+                                 ["model"], registry=r)
+        self.retries = Counter("lmfleet_upstream_retries", "Attempts that failed before the first byte and were retried.",
+                               ["model", "from_target"], registry=r)

@@ -1,0 +1,85 @@
+"""External-spend budget: may overflow still spend money, and if not, when again?
+
+Two rolling windows, an hour and a day, each with an optional cap (``BudgetConfig.hourly_usd``,
+``daily_usd``). Spend is a list of ``(ts, usd)`` events (the ledger's external rows, possibly
+bucketed; a bucket carries its *latest* timestamp, so it rolls off no earlier than its rows).
+
+For a window ``W`` with cap ``cap``::
+
+    spent(now) = pending_usd + sum(usd for ts, usd in events if ts > now - W)
+    exhausted  = spent(now) >= cap
+
+When exhausted, events roll off oldest first; ``retry_after_s`` is the time until enough of them
+have left the window that ``spent < cap``: the smallest ``k`` such that
+``spent - sum(first k events) < cap`` gives ``retry_after = ts_k + W - now``. ``pending_usd``
+(the estimated cost of external requests still in flight) never rolls off in this computation;
+if it alone reaches the cap, ``retry_after`` is the whole window, a conservative upper bound.
+A cap of 0 disables spending: always exhausted, ``retry_after = W``.
+Money is summed in integer nano-dollars, like the ledger, so the roll-off arithmetic is exact.
+Both windows are checked; the answer is exhausted if either is, with the larger retry-after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["HOUR_S", "DAY_S", "BudgetStatus", "check_budget"]
+
+HOUR_S = 3600.0
+DAY_S = 86400.0
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    allowed: bool
+    reason: str | None
+    """None when allowed; else "hourly_budget_exhausted" or "daily_budget_exhausted"."""
+    retry_after_s: float
+    """Seconds until spending is allowed again (0 when allowed)."""
+    spent_hour_usd: float
+    spent_day_usd: float
+
+
+def _nusd(usd: float) -> int:
+    return round(usd * 1e9)
+
+
+def _window(events: list[tuple[float, float]], cap: float | None, window_s: float, now: float,
+            pending_usd: float) -> tuple[float, float | None]:
+    """(spent in window, retry_after_s or None when under the cap).
+
+    Sums are done in integer nano-dollars (as the ledger stores them) so that rolling events off
+    one by one has no float drift: 1.8 - 0.4 - 0.4 must be exactly 1.0.
+    """
+    inside = sorted((ts, _nusd(usd)) for ts, usd in events if ts > now - window_s)
+    spent = _nusd(pending_usd) + sum(n for _, n in inside)
+    if cap is None or spent < _nusd(cap):
+        return spent / 1e9, None
+    if cap <= 0:
+        return spent / 1e9, window_s
+    remaining = spent
+    for ts, n in inside:
+        remaining -= n
+        if remaining < _nusd(cap):
+            return spent / 1e9, max(0.0, ts + window_s - now)
+    return spent / 1e9, window_s
+
+
+def check_budget(
+    events: Iterable[tuple[float, float]],
+    *,
+    hourly_usd: float | None,
+    daily_usd: float | None,
+    now: float,
+    pending_usd: float = 0.0,
+) -> BudgetStatus:
+    """Decide whether external spend is allowed at ``now`` (epoch seconds, like the events)."""
+    ev = list(events)
+    spent_h, retry_h = _window(ev, hourly_usd, HOUR_S, now, pending_usd)
+    spent_d, retry_d = _window(ev, daily_usd, DAY_S, now, pending_usd)
+    if retry_h is None and retry_d is None:
+        return BudgetStatus(True, None, 0.0, spent_h, spent_d)
+    if retry_d is not None and (retry_h is None or retry_d >= retry_h):
+        return BudgetStatus(False, "daily_budget_exhausted", retry_d, spent_h, spent_d)
+    return BudgetStatus(False, "hourly_budget_exhausted", retry_h or 0.0, spent_h, spent_d)

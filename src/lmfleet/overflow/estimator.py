@@ -1,0 +1,80 @@
+"""Predicted wait before a request's first token if it were sent to the local engines now.
+
+The model
+---------
+The local deployment runs at most ``C`` requests at once (``capacity``, see :func:`local_capacity`);
+the rest wait (in Ray Serve's router or vLLM's waiting queue), first come, first served. A new
+request finds ``n`` requests in flight (``signals.in_flight``). It gets a slot when
+``q = n - C + 1`` of them have finished (``q <= 0``: a slot is free now). Slots free up at the
+measured drain rate ``r`` (completions per second while busy), so::
+
+    wait = max(0, q) / r + base_ttft
+
+where ``base_ttft`` is the prefill time of a request that did not queue (median of recent
+unqueued TTFTs). When the engine reports its own counts, they refine the capacity: with
+``waiting > 0`` the engine is saturated at ``running`` sequences (KV-cache limits can hold it below
+``max_num_seqs``), so ``C = min(C, running)``; and the queue is at least ``waiting + 1``.
+
+Assumptions (and what they cost)
+--------------------------------
+* FIFO and steady state: completions arrive at the average rate of the trailing window. Under
+  steady overload this is the engine's throughput, and the estimate tracks the real wait; after a
+  sudden change the window (``signal_window_s``) needs to roll over before it does.
+* The drain rate measured while the engine was only partly busy understates its capacity, so right
+  after load ramps up the estimate is too high (conservative: it overflows early, never late).
+* Request lengths are not known in advance; a queue of long generations drains slower than the
+  window's average, a queue of short ones faster.
+
+Cold start (no measurements): the drain rate defaults to ``C / cold_service_s`` (every slot
+busy for ``cold_service_s`` per request, 10 s by default: pessimistic for chat models) and
+``base_ttft`` to ``cold_ttft_s``. An idle engine then predicts ``cold_ttft_s`` (1 s, under the
+2.5 s default threshold: stay local); a queue predicts several seconds per queued slot-round.
+"""
+
+from __future__ import annotations
+
+from lmfleet.config.models import ModelConfig
+from lmfleet.overflow.signals import QueueSignals
+
+__all__ = ["estimate_wait_ms", "local_capacity"]
+
+
+def local_capacity(model: ModelConfig, replicas: int | None = None) -> int:
+    """Requests the model's deployment runs concurrently: replicas x per-replica limit.
+
+    The per-replica limit is ``min(max_ongoing_requests, engine.max_num_seqs)`` (Ray Serve sends a
+    replica at most ``max_ongoing_requests``; vLLM runs at most ``max_num_seqs`` of them).
+    ``replicas``: the number currently up (autoscaling), else the configured minimum.
+    """
+    per_replica = model.deployment.max_ongoing_requests
+    if model.engine.max_num_seqs is not None:
+        per_replica = min(per_replica, model.engine.max_num_seqs)
+    n = replicas if replicas is not None else model.deployment.min_replicas()
+    return max(1, n) * per_replica
+
+
+def estimate_wait_ms(
+    signals: QueueSignals,
+    capacity: int,
+    *,
+    cold_service_s: float = 10.0,
+    cold_ttft_s: float = 1.0,
+) -> float:
+    """Predicted milliseconds until this request's first token if it is sent locally now.
+
+    ``capacity``: concurrent requests the local engines run (:func:`local_capacity`).
+    ``cold_service_s`` / ``cold_ttft_s``: defaults while nothing was measured (module docstring).
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity={capacity} must be >= 1")
+    slots = capacity
+    if signals.engine_waiting and signals.engine_running:
+        slots = min(slots, signals.engine_running)
+    ahead = signals.in_flight - slots + 1
+    if signals.engine_waiting:
+        ahead = max(ahead, signals.engine_waiting + 1)
+    base_s = signals.base_ttft_s if signals.base_ttft_s is not None else cold_ttft_s
+    if ahead <= 0:
+        return base_s * 1000.0
+    drain = signals.drain_rps if signals.drain_rps else slots / cold_service_s
+    return (ahead / drain + base_s) * 1000.0

@@ -1,0 +1,168 @@
+"""The overflow decision: serve locally, send to a provider, or reject. A pure function.
+
+Order of the checks (first match wins)::
+
+    mode force_off, or overflow disabled for the model  -> local   "forced_local" / "overflow_disabled"
+    mode auto and no pressure                           -> local   "local_ok"
+    (pressure, or mode force_on)
+      budget exhausted, on_exhausted == "reject"        -> reject  "budget_exhausted" (retry_after_s)
+      budget exhausted, on_exhausted == "queue"         -> local   "budget_exhausted"
+      no candidate maps the model and its breaker allows -> local  "no_healthy_provider"
+      healthy candidates, all at max_concurrency        -> local   "providers_at_capacity"
+      first healthy candidate with headroom             -> NAME    "queue_estimate_above_threshold" / "forced_overflow"
+
+Hysteresis: *pressure* is ``estimate_ms > threshold_ms`` while not overflowing, and
+``estimate_ms > threshold_ms * (1 - hysteresis)`` while overflowing, so the route does not flap
+around the threshold. The caller owns the state: it passes the model's current
+:class:`HysteresisState` and stores ``decision.state`` for the next request. The state follows
+pressure only (a forced mode resets it), so a budget or provider outage does not reset it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lmfleet.config.models import ModelConfig, ProviderConfig
+from lmfleet.overflow.budget import BudgetStatus
+
+__all__ = [
+    "LOCAL",
+    "REJECT",
+    "HysteresisState",
+    "OverflowMode",
+    "ProviderCandidate",
+    "Reason",
+    "RouteDecision",
+    "decide",
+    "providers_for",
+]
+
+LOCAL = "local"
+REJECT = "reject"
+
+
+class OverflowMode(str, enum.Enum):
+    """The operator's switch for a model."""
+
+    AUTO = "auto"
+    FORCE_ON = "force_on"  # every request overflows while a provider and budget allow
+    FORCE_OFF = "force_off"  # every request stays local
+
+
+class Reason(str, enum.Enum):
+    LOCAL_OK = "local_ok"
+    FORCED_LOCAL = "forced_local"
+    OVERFLOW_DISABLED = "overflow_disabled"
+    QUEUE_ESTIMATE_ABOVE_THRESHOLD = "queue_estimate_above_threshold"
+    FORCED_OVERFLOW = "forced_overflow"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    NO_HEALTHY_PROVIDER = "no_healthy_provider"
+    PROVIDERS_AT_CAPACITY = "providers_at_capacity"
+
+
+@dataclass(frozen=True)
+class HysteresisState:
+    overflowing: bool = False
+
+
+@dataclass(frozen=True)
+class ProviderCandidate:
+    """One provider as the gateway sees it right now, in priority order."""
+
+    name: str
+    model_map: Mapping[str, str]
+    healthy: bool
+    """The breaker lets a request through now (``CircuitBreaker.allows()``), not rate-limit blocked."""
+    in_flight: int = 0
+    max_concurrency: int | None = None
+
+    def has_headroom(self) -> bool:
+        return self.max_concurrency is None or self.in_flight < self.max_concurrency
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    target: str
+    """``"local"``, a provider name, or ``"reject"``."""
+    reason: Reason
+    state: HysteresisState
+    """Hysteresis state to store for the model's next decision."""
+    provider_model: str | None = None
+    """The provider's model name (from its model_map) when target is a provider."""
+    retry_after_s: float | None = None
+    """For ``"reject"``: seconds to put in the Retry-After header."""
+    estimate_ms: float | None = field(default=None, compare=False)
+
+    @property
+    def is_local(self) -> bool:
+        return self.target == LOCAL
+
+    @property
+    def is_reject(self) -> bool:
+        return self.target == REJECT
+
+    @property
+    def is_provider(self) -> bool:
+        return not (self.is_local or self.is_reject)
+
+    @property
+    def served_by(self) -> str:
+        """Ledger label: ``provider/NAME``; local routes need the model name, see ``ledger.served_by``."""
+        return f"provider/{self.target}" if self.is_provider else self.target
+
+
+def decide(
+    *,
+    model: str,
+    estimate_ms: float,
+    threshold_ms: float,
+    hysteresis: float,
+    state: HysteresisState,
+    mode: OverflowMode = OverflowMode.AUTO,
+    enabled: bool = True,
+    budget: BudgetStatus | None = None,
+    on_exhausted: str = "queue",
+    candidates: Sequence[ProviderCandidate] = (),
+) -> RouteDecision:
+    """Route one request of ``model`` (see the module docstring for the rules)."""
+    if mode is OverflowMode.FORCE_OFF or not enabled:
+        reason = Reason.FORCED_LOCAL if mode is OverflowMode.FORCE_OFF else Reason.OVERFLOW_DISABLED
+        return RouteDecision(LOCAL, reason, HysteresisState(False), estimate_ms=estimate_ms)
+
+    bar = threshold_ms * (1.0 - hysteresis) if state.overflowing else threshold_ms
+    pressure = estimate_ms > bar
+    next_state = HysteresisState(pressure)
+    if mode is OverflowMode.AUTO and not pressure:
+        return RouteDecision(LOCAL, Reason.LOCAL_OK, next_state, estimate_ms=estimate_ms)
+
+    if budget is not None and not budget.allowed:
+        if on_exhausted == "reject":
+            return RouteDecision(REJECT, Reason.BUDGET_EXHAUSTED, next_state,
+                                 retry_after_s=budget.retry_after_s, estimate_ms=estimate_ms)
+        return RouteDecision(LOCAL, Reason.BUDGET_EXHAUSTED, next_state, estimate_ms=estimate_ms)
+
+    healthy = [c for c in candidates if model in c.model_map and c.healthy]
+    if not healthy:
+        return RouteDecision(LOCAL, Reason.NO_HEALTHY_PROVIDER, next_state, estimate_ms=estimate_ms)
+    chosen = next((c for c in healthy if c.has_headroom()), None)
+    if chosen is None:
+        return RouteDecision(LOCAL, Reason.PROVIDERS_AT_CAPACITY, next_state, estimate_ms=estimate_ms)
+    reason = Reason.FORCED_OVERFLOW if mode is OverflowMode.FORCE_ON else Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD
+    return RouteDecision(chosen.name, reason, next_state, provider_model=chosen.model_map[model],
+                         estimate_ms=estimate_ms)
+
+
+def providers_for(model: ModelConfig, providers: Sequence[ProviderConfig]) -> list[ProviderConfig]:
+    """The providers that may take ``model``'s overflow, in priority order.
+
+    ``model.overflow.providers`` when set (its order), else every provider in file order; either
+    way only those whose ``model_map`` names the model.
+    """
+    if model.overflow.providers is None:
+        chosen = list(providers)
+    else:
+        by_name = {p.name: p for p in providers}
+        chosen = [by_name[n] for n in model.overflow.providers if n in by_name]
+    return [p for p in chosen if model.name in p.model_map]

@@ -1,0 +1,180 @@
+"""Session fixtures for end-to-end tests: one real fleet shared by every e2e test.
+
+``fleet``: ``lmfleet serve`` started through the real CLI (real Ray, real Ray Serve LLM, real vLLM CPU
+engines) with two models, ``smollm2`` (builtin:smollm2) and ``tiny`` (builtin:tiny-random), and one
+overflow provider, ``backup``: a second, bare vLLM OpenAI server (SmolLM2, served as ``smollm2-remote``,
+with a real API key) behind a fault-injecting proxy. Both engines start in parallel.
+
+Engines cost about a minute each to start here, so everything is shared; tests that break things
+(engine death, shutdown) live in modules named to run last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+START_TIMEOUT_S = float(os.environ.get("LMFLEET_TEST_START_TIMEOUT", "900"))
+
+API_KEY = "sk-lmfleet-test-client"
+ADMIN_KEY = "lmfleet-test-admin"
+PROVIDER_KEY = "sk-provider-secret-7f3a9c"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> dict[int, float]:
+    with contextlib.suppress(psutil.Error):
+        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True)}
+    return {}
+
+
+def alive(pids: dict[int, float]) -> list[psutil.Process]:
+    out = []
+    for pid, created in pids.items():
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def end_processes(root: subprocess.Popen, seen: dict[int, float], sig=signal.SIGTERM, grace_s: float = 30) -> None:
+    """End a process we started and every descendant we saw, by pid."""
+    seen.update(descendants(root.pid))
+    if root.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            root.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            root.wait(grace_s)
+    procs = alive(seen)
+    if root.poll() is None:
+        root.kill()
+        root.wait(10)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
+
+
+@dataclass
+class Fleet:
+    base_url: str
+    models: list[str]
+    admin_key: str
+    api_key: str
+    config_path: Path
+    log_path: Path
+    proc: subprocess.Popen
+    provider_url: str  # the fault proxy in front of the provider, without /v1
+    provider_direct_url: str
+    proxy: object
+    seen_pids: dict[int, float] = field(default_factory=dict)
+
+    def client(self, **kw):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key, max_retries=0, **kw)
+
+    def admin(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(method, f"{self.base_url}{path}", headers={"authorization": f"Bearer {self.admin_key}"},
+                             timeout=30, **kw)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float, headers=None) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was up:\n{log.read_text()[-5000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=5, headers=headers).status_code == 200:
+                return
+        time.sleep(2)
+    raise RuntimeError(f"{url} not up after {timeout_s:.0f} s:\n{log.read_text()[-5000:]}")
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory) -> Fleet:
+    from tests.support.fault_proxy import FaultProxy
+
+    from lmfleet.models import resolve_source
+
+    work = tmp_path_factory.mktemp("fleet")
+    env = {**os.environ, "LMFLEET_TEST_API_KEYS": API_KEY, "LMFLEET_TEST_ADMIN_KEY": ADMIN_KEY,
+           "LMFLEET_TEST_PROVIDER_KEY": PROVIDER_KEY, "PYTHONUNBUFFERED": "1"}
+
+    # the external provider: a bare vLLM OpenAI server that really checks its API key
+    smol = resolve_source("builtin:smollm2")
+    resolve_source("builtin:tiny-random")
+    pport = free_port()
+    plog = work / "provider.log"
+    provider = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smol, "--served-model-name",
+         "smollm2-remote", "--host", "127.0.0.1", "--port", str(pport), "--max-model-len", "2048",
+         "--api-key", PROVIDER_KEY, "--disable-log-stats"],
+        env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=plog.open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    proxy = FaultProxy(f"http://127.0.0.1:{pport}")
+    proxy.start_in_thread()
+
+    port, sport = free_port(), free_port()
+    cfg = {
+        "gateway": {"port": port, "serve_port": sport, "api_keys_env": "LMFLEET_TEST_API_KEYS",
+                    "admin_key_env": "LMFLEET_TEST_ADMIN_KEY", "health_poll_s": 1},
+        "ledger": {"path": str(work / "ledger.sqlite")},
+        "providers": [{
+            "name": "backup", "base_url": f"{proxy.url}/v1", "api_key_env": "LMFLEET_TEST_PROVIDER_KEY",
+            "model_map": {"smollm2": "smollm2-remote"}, "price": {"input_per_1m": 0.5, "output_per_1m": 1.5},
+            "timeouts": {"connect_s": 2, "total_s": 120, "first_token_s": 30}, "max_retries": 2,
+            "breaker": {"consecutive_failures": 3, "cooldown_s": 5, "backoff_base_s": 0.1, "backoff_cap_s": 1},
+        }],
+        "models": [
+            {"name": "smollm2", "source": "builtin:smollm2",
+             "engine": {"max_model_len": 2048, "cpu_kvcache_space_gib": 1, "max_num_seqs": 8},
+             "deployment": {"max_ongoing_requests": 8, "request_timeout_s": 120},
+             "cost": {"node_hour_usd": 0.10}},
+            {"name": "tiny", "source": "builtin:tiny-random",
+             "engine": {"max_model_len": 1024, "cpu_kvcache_space_gib": 1},
+             "deployment": {"request_timeout_s": 60}, "overflow": {"enabled": False}},
+        ],
+    }
+    config_path = work / "fleet.yaml"
+    config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    log_path = work / "serve.log"
+    proc = subprocess.Popen([str(VENV_BIN / "lmfleet"), "serve", "-c", str(config_path)], env=env, cwd=work,
+                            stdout=log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    f = Fleet(f"http://127.0.0.1:{port}", ["smollm2", "tiny"], ADMIN_KEY, API_KEY, config_path, log_path, proc,
+              proxy.url, f"http://127.0.0.1:{pport}", proxy)
+    provider_seen: dict[int, float] = {}
+    try:
+        _wait_http(f"{f.base_url}/ready", proc, log_path, START_TIMEOUT_S)
+        _wait_http(f"http://127.0.0.1:{pport}/v1/models", provider, plog, START_TIMEOUT_S,
+                   headers={"authorization": f"Bearer {PROVIDER_KEY}"})
+        f.seen_pids.update(descendants(proc.pid))
+        provider_seen.update(descendants(provider.pid))
+        yield f
+    finally:
+        end_processes(proc, f.seen_pids, signal.SIGINT)
+        end_processes(provider, provider_seen)
+        proxy.stop_thread()

@@ -1,0 +1,240 @@
+"""The gateway's request handling against fake backends (httpx.MockTransport): routing, fallback,
+error shapes, streaming relay, auth. Claims about the real system live in tests/e2e."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+
+from lmfleet.gateway.app import create_app
+from tests.unit.gateway_fakes import chat_json, make_router, sse_events, stream_response
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
+
+
+async def _client(router, api_keys=frozenset(), admin_key="adm"):
+    app = create_app(router, api_keys=set(api_keys), admin_key=admin_key)
+    router.start()
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+
+
+def ok_local(req: httpx.Request) -> httpx.Response:
+    body = json.loads(req.content)
+    if body.get("stream"):
+        return stream_response(sse_events(body["model"], ["Par", "is"]))
+    return httpx.Response(200, json=chat_json(body["model"]))
+
+
+def provider_ok(req: httpx.Request) -> httpx.Response:
+    body = json.loads(req.content)
+    assert req.headers["authorization"] == "Bearer sk-secret-provider-key"
+    if body.get("stream"):
+        return stream_response(sse_events(body["model"], ["Remote"]))
+    return httpx.Response(200, json=chat_json(body["model"], "Remote."))
+
+
+async def test_local_ok_has_provenance_and_plain_body(tmp_path):
+    c = await _client(make_router(tmp_path, ok_local))
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200
+    assert r.headers["x-lmfleet-served-by"] == "local/m"
+    assert r.headers["x-lmfleet-route-reason"] == "local_ok"
+    assert r.json()["choices"][0]["message"]["content"] == "Paris."
+    assert r.json()["model"] == "m"
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b"[1,2]", 400, None),
+    (json.dumps({**CHAT, "temperature": -1}).encode(), 400, "temperature"),
+    (json.dumps({**CHAT, "top_p": 0}).encode(), 400, "top_p"),
+    (json.dumps({**CHAT, "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({**CHAT, "n": "two"}).encode(), 400, "n"),
+    (json.dumps({**CHAT, "messages": []}).encode(), 400, "messages"),
+    (json.dumps({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "messages[0].role"),
+    (json.dumps({**CHAT, "stream": "yes"}).encode(), 400, "stream"),
+    (json.dumps({k: v for k, v in CHAT.items() if k != "model"}).encode(), 400, "model"),
+    (json.dumps({**CHAT, "model": "gpt-9"}).encode(), 404, "model"),
+    (json.dumps({**CHAT, "max_tokens": 60}).encode(), 400, "max_tokens"),
+])
+async def test_client_errors_are_openai_shaped_4xx(tmp_path, body, status, param):
+    c = await _client(make_router(tmp_path, ok_local))
+    r = await c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    if status == 404:
+        assert "Served models: m" in err["message"]
+
+
+async def test_context_error_names_both_numbers(tmp_path):
+    c = await _client(make_router(tmp_path, ok_local, max_model_len=20))
+    r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 15})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "20" in msg and "15" in msg and "7 in the prompt" in msg
+
+
+async def test_completions_prompt_too_long_without_max_tokens(tmp_path):
+    c = await _client(make_router(tmp_path, ok_local, max_model_len=5))
+    r = await c.post("/v1/completions", json={"model": "m", "prompt": "a b c d e f"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_upstream_client_error_passes_through_cleaned(tmp_path):
+    def local(req):
+        return httpx.Response(400, json={"error": {"message": "Message: bad logit_bias (Request ID: 1), Internal "
+                                                              "exception: X", "type": "BadRequestError"}})
+    c = await _client(make_router(tmp_path, local, {"p": provider_ok}))
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "bad logit_bias"
+
+
+@pytest.mark.parametrize("failure", [
+    lambda req: httpx.Response(500, json={"error": {"message": "EngineDeadError"}}),
+    lambda req: (_ for _ in ()).throw(httpx.ConnectError("refused")),
+])
+async def test_local_failure_falls_back_to_provider(tmp_path, failure):
+    c = await _client(make_router(tmp_path, failure, {"p": provider_ok}))
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-lmfleet-served-by"] == "provider/p"
+    assert r.headers["x-lmfleet-route-reason"] == "fallback_after_local_error"
+    assert r.json()["model"] == "m"  # the client sees its own model name, not the provider's
+
+
+async def test_local_failure_without_provider_is_503_and_not_ready(tmp_path):
+    router = make_router(tmp_path, lambda req: httpx.Response(500, json={"error": {"message": "engine died"}}))
+    c = await _client(router)
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503
+    assert "engine died" in r.json()["error"]["message"]
+    ready = await c.get("/ready")
+    assert ready.status_code == 503 and ready.json()["models"]["m"]["ready"] is False
+
+
+async def test_provider_429_honours_retry_after_and_goes_to_next(tmp_path):
+    calls = []
+
+    def limited(req):
+        calls.append("p1")
+        return httpx.Response(429, headers={"retry-after": "30"}, json={"error": {"message": "slow down"}})
+
+    router = make_router(tmp_path, ok_local, {"p1": limited, "p2": provider_ok}, ready=False)
+    c = await _client(router)
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p2"
+    assert router.providers["p1"].breaker.retry_after_s() > 25
+    r = await c.post("/v1/chat/completions", json=CHAT)  # p1 is skipped while its Retry-After runs
+    assert r.headers["x-lmfleet-served-by"] == "provider/p2" and calls == ["p1"]
+
+
+async def test_forced_overflow_through_admin(tmp_path):
+    c = await _client(make_router(tmp_path, ok_local, {"p": provider_ok}))
+    assert (await c.post("/admin/overflow", json={"model": "m", "mode": "force_on"})).status_code == 401
+    r = await c.post("/admin/overflow", json={"model": "m", "mode": "force_on"}, headers={"authorization": "Bearer adm"})
+    assert r.status_code == 200
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.headers["x-lmfleet-served-by"] == "provider/p"
+    assert r.headers["x-lmfleet-route-reason"] == "forced_overflow"
+    r = await c.post("/admin/overflow", json={"model": "m", "mode": "sideways"}, headers={"authorization": "Bearer adm"})
+    assert r.status_code == 400
+
+
+async def test_stream_relays_and_hides_usage_unless_asked(tmp_path):
+    c = await _client(make_router(tmp_path, ok_local))
+    r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert all('"usage"' not in e for e in events)
+    r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    assert any('"usage"' in e for e in r.text.split("\n\n"))
+
+
+async def test_stream_failure_before_first_chunk_falls_back(tmp_path):
+    def local(req):
+        return stream_response([], httpx.ReadError("reset"))
+
+    c = await _client(make_router(tmp_path, local, {"p": provider_ok}))
+    r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
+    assert "Remote" in r.text
+
+
+async def test_stream_failure_after_first_chunk_ends_with_error_event(tmp_path):
+    def local(req):
+        return stream_response(sse_events("m", ["Par", "is"], usage=False, done=False), httpx.ReadError("reset"))
+
+    c = await _client(make_router(tmp_path, local, {"p": provider_ok}))
+    r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    events = [e for e in r.text.split("\n\n") if e]
+    assert '"Par"' in events[0]
+    err = json.loads(events[-2].removeprefix("data: "))
+    assert err["error"]["code"] == "upstream_stream_error"
+    assert events[-1] == "data: [DONE]"
+
+
+async def test_stream_without_done_is_reported_as_truncated(tmp_path):
+    def local(req):
+        return stream_response(sse_events("m", ["Par"], usage=False, done=False))
+
+    c = await _client(make_router(tmp_path, local))
+    r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert "upstream_truncated" in r.text
+
+
+async def test_auth_required_and_key_never_logged(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    c = await _client(make_router(tmp_path, ok_local), api_keys={"sk-client-secret"})
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = await c.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer wrong-key-123"})
+    assert r.status_code == 401 and "wrong-key-123" not in r.text
+    r = await c.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer sk-client-secret"})
+    assert r.status_code == 200
+    assert (await c.get("/health")).status_code == 200  # liveness stays open
+    assert "sk-client-secret" not in caplog.text and "wrong-key-123" not in caplog.text
+
+
+async def test_provider_key_not_in_error_bodies_or_logs(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+
+    def echoing_provider(req):  # a hostile provider that echoes the auth header in its error
+        return httpx.Response(500, json={"error": {"message": f"bad key {req.headers['authorization']}"}})
+
+    router = make_router(tmp_path, lambda r: httpx.Response(500, json={"error": {"message": "dead"}}),
+                         {"p": echoing_provider})
+    c = await _client(router)
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503
+    assert "sk-secret-provider-key" not in r.text
+    assert "sk-secret-provider-key" not in caplog.text
+
+
+async def test_ledger_and_metrics_add_up(tmp_path):
+    router = make_router(tmp_path, ok_local, {"p": provider_ok})
+    c = await _client(router)
+    for _ in range(3):
+        await c.post("/v1/chat/completions", json=CHAT)
+    await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
+    for _ in range(2):
+        await c.post("/v1/chat/completions", json=CHAT)
+    usage = (await c.get("/admin/usage", headers={"authorization": "Bearer adm"})).json()
+    by = {row["served_by"]: row for row in usage["rows"]}
+    assert by["local/m"]["requests"] == 3 and by["provider/p"]["requests"] == 2
+    assert by["provider/p"]["cost_usd"] == pytest.approx(2 * (7 * 1.0 + 2 * 2.0) / 1e6)
+    assert usage["total"]["cost_usd"] == pytest.approx(sum(r["cost_usd"] for r in usage["rows"]))
+    text = (await c.get("/metrics")).text
+    assert 'lmfleet_requests_total{model="m",served_by="provider/p",status="200"} 2.0' in text
+    assert "lmfleet_time_to_first_token_seconds" in text
+
+
+async def test_models_lists_served_models(tmp_path):
+    c = await _client(make_router(tmp_path, ok_local))
+    data = (await c.get("/v1/models")).json()
+    assert [m["id"] for m in data["data"]] == ["m"]

@@ -1,0 +1,134 @@
+"""estimate_wait_ms: the queue math on synthetic signals, and tracking a simulated overloaded FIFO server."""
+
+import heapq
+import random
+import statistics
+
+import pytest
+
+from lmfleet.config.models import ModelConfig
+from lmfleet.overflow.estimator import estimate_wait_ms, local_capacity
+from lmfleet.overflow.signals import LoadTracker, QueueSignals
+
+
+def sig(in_flight=0, drain=None, base=None, running=None, waiting=None):
+    return QueueSignals(now=0.0, in_flight=in_flight, drain_rps=drain, output_tps=None, ttft_s=None,
+                        base_ttft_s=base, completions_in_window=0, engine_running=running, engine_waiting=waiting)
+
+
+@pytest.mark.parametrize(
+    "signals, capacity, expected_ms",
+    [
+        # cold start, idle: the cold prefill time (1 s)
+        (sig(), 8, 1000.0),
+        # cold start, a free slot left
+        (sig(in_flight=7), 8, 1000.0),
+        # cold start, full: 1 completion needed at 8 slots / 10 s = 0.8/s -> 1.25 s + 1 s
+        (sig(in_flight=8), 8, 2250.0),
+        # cold start, 16 queued ahead: 17 / 0.8 + 1 = 22.25 s (conservative: overflow)
+        (sig(in_flight=24), 8, 22250.0),
+        # measured: free slot -> base TTFT only
+        (sig(in_flight=3, drain=2.0, base=0.3), 4, 300.0),
+        # measured: 10 ahead of the slot (13 in flight, 4 slots) at 2/s -> 5 s + 0.3 s
+        (sig(in_flight=13, drain=2.0, base=0.3), 4, 5300.0),
+        # engine says it is saturated at 2 running (KV cache), below capacity 4: 3 in flight -> 2 ahead
+        (sig(in_flight=3, drain=1.0, base=0.5, running=2, waiting=1), 4, 2500.0),
+        # engine queue longer than the gateway thinks (another client): waiting 5 -> 6 ahead
+        (sig(in_flight=1, drain=3.0, base=0.0, running=4, waiting=5), 4, 2000.0),
+        # engine idle report changes nothing
+        (sig(in_flight=2, drain=1.0, base=0.2, running=2, waiting=0), 4, 200.0),
+    ],
+)
+def test_estimate_table(signals, capacity, expected_ms):
+    assert estimate_wait_ms(signals, capacity) == pytest.approx(expected_ms)
+
+
+def test_cold_defaults_are_parameters():
+    assert estimate_wait_ms(sig(in_flight=4), 4, cold_service_s=2.0, cold_ttft_s=0.1) == pytest.approx(600.0)
+
+
+def test_capacity_must_be_positive():
+    with pytest.raises(ValueError):
+        estimate_wait_ms(sig(), 0)
+
+
+@pytest.mark.parametrize(
+    "deployment, engine, replicas, expected",
+    [
+        ({}, {}, None, 64),
+        ({"replicas": 2, "max_ongoing_requests": 32}, {}, None, 64),
+        ({"replicas": 2, "max_ongoing_requests": 32}, {"max_num_seqs": 8}, None, 16),
+        ({"autoscaling": {"min_replicas": 1, "max_replicas": 4}, "max_ongoing_requests": 16}, {}, 3, 48),
+    ],
+)
+def test_local_capacity(deployment, engine, replicas, expected):
+    m = ModelConfig(name="m", source="builtin:tiny-random", deployment=deployment, engine=engine)
+    assert local_capacity(m, replicas) == expected
+
+
+def simulate(capacity, service, arrival_rps, duration_s, seed, ttft0=0.2):
+    """FIFO server with ``capacity`` slots; service times drawn from ``service(rng)``.
+
+    Returns (estimate_ms, actual_ms) for every request arriving after a warm-up of 60 s,
+    the estimate taken from a LoadTracker fed the same events the gateway would see.
+    """
+    rng = random.Random(seed)
+    tracker = LoadTracker(capacity=capacity, window_s=30.0)
+    events, seq = [], 0
+
+    def push(t, kind, data):
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, data))
+        seq += 1
+
+    t = 0.0
+    while t < duration_s:
+        t += rng.expovariate(arrival_rps)
+        push(t, "arrive", None)
+    running, waiting, pairs = 0, [], []
+
+    def begin(now, req):
+        nonlocal running
+        running += 1
+        s = service(rng)
+        push(now + ttft0, "first", req)
+        push(now + s, "finish", req)
+
+    while events:
+        now, _, kind, req = heapq.heappop(events)
+        if kind == "arrive":
+            est = estimate_wait_ms(tracker.snapshot(now=now), capacity)
+            req = {"arrived": now, "est": est, "ticket": tracker.on_start(now=now)}
+            if running < capacity:
+                begin(now, req)
+            else:
+                waiting.append(req)
+        elif kind == "first":
+            tracker.on_first_token(req["ticket"], now=now)
+            if req["arrived"] > 60.0:
+                pairs.append((req["est"], (now - req["arrived"]) * 1000.0))
+        else:
+            tracker.on_finish(req["ticket"], 50, now=now)
+            running -= 1
+            if waiting:
+                begin(now, waiting.pop(0))
+    return pairs
+
+
+@pytest.mark.parametrize(
+    "capacity, service, overload, seed",
+    [
+        (8, lambda r: r.uniform(1.5, 2.5), 1.3, 1),
+        (4, lambda r: r.uniform(0.5, 3.5), 1.2, 2),
+        (32, lambda r: r.expovariate(1 / 3.0) + 0.2, 1.5, 3),
+    ],
+)
+def test_estimate_tracks_real_wait_under_steady_overload(capacity, service, overload, seed):
+    mean_service = statistics.mean(service(random.Random(99)) for _ in range(20000))
+    pairs = simulate(capacity, service, arrival_rps=overload * capacity / mean_service, duration_s=240.0, seed=seed)
+    queued = [(e, a) for e, a in pairs if a > 1000.0]
+    assert len(queued) > 100
+    ratios = [e / a for e, a in queued]
+    within = sum(0.7 <= r <= 1.3 for r in ratios) / len(ratios)
+    assert within >= 0.95, f"only {within:.0%} of estimates within ±30% (median ratio {statistics.median(ratios):.2f})"
+    assert statistics.median(ratios) == pytest.approx(1.0, abs=0.1)

@@ -1,0 +1,118 @@
+"""LoadTracker: in-flight count, busy-time drain rate, windowed TTFT, base TTFT, engine stats."""
+
+import pytest
+
+from lmfleet.overflow.signals import LoadTracker
+
+
+def _run(tracker, requests, until):
+    """requests: (start, ttft, finish, output_tokens, ok); events up to ``until`` are replayed in time order."""
+    events = []
+    for i, (start, ttft, finish, out, ok) in enumerate(requests):
+        events += [(start, 0, i), (start + ttft, 1, i), (finish, 2, i)]
+    tickets = {}
+    for t, kind, i in sorted(e for e in events if e[0] <= until):
+        _, _, _, out, ok = requests[i]
+        if kind == 0:
+            tickets[i] = tracker.on_start(10, now=t)
+        elif kind == 1:
+            tracker.on_first_token(tickets[i], now=t)
+        else:
+            tracker.on_finish(tickets[i], out, ok=ok, now=t)
+
+
+@pytest.mark.parametrize(
+    "requests, now, in_flight, drain, tps",
+    [
+        # nothing measured yet
+        ([], 0.0, 0, None, None),
+        # fewer than min_completions (3) -> unknown rate
+        ([(0, 0.1, 1, 10, True), (0, 0.1, 2, 10, True)], 2.0, 0, None, None),
+        # 4 completions over 4 busy seconds
+        ([(0, 0.1, 1, 10, True), (0, 0.1, 2, 10, True), (0, 0.1, 3, 10, True), (0, 0.1, 4, 10, True)], 4.0, 0, 1.0, 10.0),
+        # an idle gap (4..10) does not dilute the rate: 6 completions over 6 busy seconds
+        ([(0, 0.1, 2, 5, True), (0, 0.1, 4, 5, True), (10, 0.1, 11, 5, True),
+          (10, 0.1, 12, 5, True), (10, 0.1, 13, 5, True), (10, 0.1, 14, 5, True)], 14.0, 0, 6 / 8, 30 / 8),
+        # failures free slots but are not drained work
+        ([(0, 0.1, 1, 10, True), (0, 0.1, 2, 10, True), (0, 0.1, 3, 10, True), (0, 0.1, 4, 99, False)], 4.0, 0, 0.75, 7.5),
+        # still running requests count in flight; busy until now
+        ([(0, 0.1, 1, 10, True), (0, 0.1, 2, 10, True), (0, 0.1, 3, 10, True), (0, 0.1, 99, 10, True)], 6.0, 1, 0.5, 5.0),
+        # completions older than the 30 s window drop out
+        ([(0, 0.1, 1, 10, True), (0, 0.1, 2, 10, True), (0, 0.1, 3, 10, True)], 40.0, 0, None, None),
+    ],
+)
+def test_drain_rate(requests, now, in_flight, drain, tps):
+    tr = LoadTracker(capacity=4, window_s=30.0)
+    _run(tr, requests, until=now)
+    s = tr.snapshot(now=now)
+    assert s.in_flight == in_flight
+    assert s.drain_rps == (pytest.approx(drain) if drain is not None else None)
+    assert s.output_tps == (pytest.approx(tps) if tps is not None else None)
+
+
+@pytest.mark.parametrize(
+    "starts_ttfts, capacity, ttft, base",
+    [
+        ([], 2, None, None),
+        # all found a free slot: both medians equal
+        ([(0.0, 0.2), (10.0, 0.4), (20.0, 0.3)], 4, 0.3, 0.3),
+        # 4 concurrent with capacity 2: the last two queued, only the first two are base samples
+        ([(0.0, 0.2), (0.0, 0.2), (0.0, 5.0), (0.0, 6.0)], 2, 2.6, 0.2),
+    ],
+)
+def test_ttft_and_base_ttft(starts_ttfts, capacity, ttft, base):
+    tr = LoadTracker(capacity=capacity)
+    tickets = [(tr.on_start(now=s), s + x) for s, x in starts_ttfts]
+    for tk, t in tickets:
+        tr.on_first_token(tk, now=t)
+    s = tr.snapshot(now=25.0)
+    assert s.ttft_s == (pytest.approx(ttft) if ttft is not None else None)
+    assert s.base_ttft_s == (pytest.approx(base) if base is not None else None)
+
+
+def test_base_ttft_survives_window_but_recent_ttft_does_not():
+    tr = LoadTracker(capacity=1, window_s=30.0)
+    tk = tr.on_start(now=0.0)
+    tr.on_first_token(tk, now=0.25)
+    tr.on_finish(tk, 5, now=1.0)
+    s = tr.snapshot(now=100.0)
+    assert s.ttft_s is None
+    assert s.base_ttft_s == 0.25
+
+
+def test_explicit_ttft_overrides_clock():
+    tr = LoadTracker(capacity=1)
+    tk = tr.on_start(now=0.0)
+    assert tr.on_first_token(tk, now=9.0, ttft_s=0.5) == 0.5
+    assert tr.snapshot(now=9.0).ttft_s == 0.5
+
+
+@pytest.mark.parametrize("set_at, now, expect", [(0.0, 5.0, (3, 7)), (0.0, 10.0, (3, 7)), (0.0, 10.5, (None, None))])
+def test_engine_stats_expire(set_at, now, expect):
+    tr = LoadTracker(capacity=8, engine_stats_ttl_s=10.0)
+    tr.set_engine_stats(3, 7, now=set_at)
+    s = tr.snapshot(now=now)
+    assert (s.engine_running, s.engine_waiting) == expect
+
+
+def test_clock_is_used_when_now_is_omitted():
+    t = [100.0]
+    tr = LoadTracker(capacity=1, clock=lambda: t[0])
+    tk = tr.on_start()
+    t[0] = 100.5
+    assert tr.on_first_token(tk) == pytest.approx(0.5)
+    assert tr.snapshot().now == 100.5
+
+
+@pytest.mark.parametrize("kwargs", [{"capacity": 0}, {"capacity": 1, "window_s": 0}])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        LoadTracker(**kwargs)
+
+
+def test_finish_without_start():
+    tr = LoadTracker(capacity=1)
+    tk = tr.on_start(now=0)
+    tr.on_finish(tk, now=1)
+    with pytest.raises(RuntimeError):
+        tr.on_finish(tk, now=2)
