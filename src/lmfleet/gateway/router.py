@@ -386,9 +386,11 @@ class _Attempt:
             self._end(t, ticket, ok=True, output_tokens=usage[1])
             if not t.is_local:
                 self.r.providers[t.name].breaker.on_success()
-            obj["model"] = self.req.model
+            if obj.get("model") != self.req.model:  # a provider's own model name never reaches the client
+                obj["model"] = self.req.model
+                raw = json.dumps(obj).encode()
             self.r.finish(self.m, Outcome(t.served_by, self.reason, usage[0], usage[1]), time.monotonic() - self.t0)
-            return Response(json.dumps(obj), media_type="application/json", headers=self._headers(t))
+            return Response(raw, media_type="application/json", headers=self._headers(t))
         err = self._give_up()
         self._record_failure(err)
         raise err

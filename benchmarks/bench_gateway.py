@@ -1,0 +1,199 @@
+"""What the gateway and Ray Serve cost: the same model and engine options served three ways, one run.
+
+    1. bare vLLM OpenAI server (python -m vllm.entrypoints.openai.api_server)
+    2. Ray Serve LLM's own OpenAI endpoint (the Serve proxy lmfleet deploys behind the gateway)
+    3. lmfleet's gateway (client -> gateway -> Serve proxy -> ingress -> LLMServer -> vLLM)
+
+At 1 and at 32 concurrent streams: time to first token (P50/P99) and output tokens/s, with fixed-length
+outputs (ignore_eos). Targets (issue 2): lmfleet >= 95% of bare output tokens/s at 32 streams, and at
+most +10 ms P50 TTFT at 1 stream. Also reports start-up time to ready of `lmfleet serve`.
+
+    .venv/bin/python benchmarks/bench_gateway.py --out out/bench_gateway.json
+
+Engines are measured one at a time (the other idles) to keep the 2-core machine's noise down; each
+phase is repeated --rounds times in rotation and the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                     headers: dict) -> tuple[float, int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    t0 = time.perf_counter()
+    ttft = None
+    chunks = 0
+    async with client.stream("POST", f"{url}/completions", json=body, headers=headers) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"text"' in line:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                chunks += 1
+    return ttft or float("nan"), chunks
+
+
+async def load(url: str, model: str, concurrency: int, requests: int, max_tokens: int, headers: dict) -> dict:
+    prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
+    sem = asyncio.Semaphore(concurrency)
+    ttfts: list[float] = []
+    tokens = 0
+
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def worker():
+            nonlocal tokens
+            async with sem:
+                t, n = await one_stream(client, url, model, prompt, max_tokens, headers)
+                ttfts.append(t)
+                tokens += n
+
+        await one_stream(client, url, model, prompt, 4, headers)  # warm the path
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(requests)))
+        wall = time.perf_counter() - t0
+    return {"ttft_p50_ms": pct(ttfts, 0.5) * 1000, "ttft_p99_ms": pct(ttfts, 0.99) * 1000,
+            "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall}
+
+
+def wait_http(url: str, timeout_s: float, headers=None) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=5, headers=headers).status_code == 200:
+                return time.monotonic() - t0
+        time.sleep(1)
+    raise TimeoutError(url)
+
+
+def stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests-1", type=int, default=12, help="requests at concurrency 1")
+    ap.add_argument("--requests-32", type=int, default=96, help="requests at concurrency 32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=REPO / "out" / "bench_gateway.json")
+    args = ap.parse_args()
+
+    from lmfleet.models import resolve_source
+
+    model_dir = resolve_source("builtin:smollm2")
+    work = args.out.parent
+    work.mkdir(parents=True, exist_ok=True)
+    gport, sport, vport = free_port(), free_port(), free_port()
+    fleet = work / "bench_fleet.yaml"
+    fleet.write_text(f"""gateway: {{port: {gport}, serve_port: {sport}}}
+ledger: {{path: {work / 'bench_ledger.sqlite'}}}
+models:
+  - name: smollm2
+    source: builtin:smollm2
+    engine: {{max_model_len: 2048, cpu_kvcache_space_gib: 2, max_num_seqs: 64}}
+    deployment: {{max_ongoing_requests: 64}}
+""")
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1"}
+    procs = []
+    try:
+        t0 = time.monotonic()
+        lm = subprocess.Popen([sys.executable, "-m", "lmfleet.cli.main", "serve", "-c", str(fleet)], env=env,
+                              stdout=(work / "bench_serve.log").open("w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+        procs.append(lm)
+        wait_http(f"http://127.0.0.1:{gport}/ready", 1200)
+        startup = time.monotonic() - t0
+        print(f"lmfleet serve: ready after {startup:.0f} s", flush=True)
+        t1 = time.monotonic()
+        bare = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+             "smollm2", "--port", str(vport), "--max-model-len", "2048", "--max-num-seqs", "64", "--dtype",
+             "bfloat16", "--disable-log-stats"],
+            env={**env, "VLLM_CPU_KVCACHE_SPACE": "2"}, stdout=(work / "bench_vllm.log").open("w"),
+            stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(bare)
+        wait_http(f"http://127.0.0.1:{vport}/v1/models", 1200)
+        bare_startup = time.monotonic() - t1
+        print(f"bare vLLM: ready after {bare_startup:.0f} s", flush=True)
+
+        targets = {
+            "bare vLLM": f"http://127.0.0.1:{vport}/v1",
+            "Ray Serve LLM endpoint": f"http://127.0.0.1:{sport}/smollm2/v1",
+            "lmfleet gateway": f"http://127.0.0.1:{gport}/v1",
+        }
+        results: dict[str, dict[str, list[dict]]] = {k: {"1": [], "32": []} for k in targets}
+        for rnd in range(args.rounds):
+            for name, url in targets.items():
+                for conc, n in (("1", args.requests_1), ("32", args.requests_32)):
+                    r = asyncio.run(load(url, "smollm2", int(conc), n, args.max_tokens, {}))
+                    results[name][conc].append(r)
+                    print(f"round {rnd + 1} {name:24s} c={conc:>2}: TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+                          f"p99 {r['ttft_p99_ms']:7.1f} ms  {r['output_tok_s']:7.1f} tok/s", flush=True)
+
+        def med(name: str, conc: str, key: str) -> float:
+            return statistics.median(r[key] for r in results[name][conc])
+
+        table = {name: {f"c{c}_{k}": med(name, c, k) for c in ("1", "32")
+                        for k in ("ttft_p50_ms", "ttft_p99_ms", "output_tok_s")} for name in targets}
+        base = table["bare vLLM"]
+        for name, row in table.items():
+            row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
+            row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
+        summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
+                   "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
+                   "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
+        args.out.write_text(json.dumps(summary, indent=2))
+        print("\n| path | TTFT P50 c=1 (ms) | TTFT P99 c=1 (ms) | tok/s c=1 | TTFT P50 c=32 (ms) | TTFT P99 c=32 (ms) "
+              "| tok/s c=32 | tok/s vs bare (c=32) | added P50 TTFT c=1 (ms) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, r in table.items():
+            print(f"| {name} | {r['c1_ttft_p50_ms']:.1f} | {r['c1_ttft_p99_ms']:.1f} | {r['c1_output_tok_s']:.1f} | "
+                  f"{r['c32_ttft_p50_ms']:.1f} | {r['c32_ttft_p99_ms']:.1f} | {r['c32_output_tok_s']:.1f} | "
+                  f"{r['tok_s_ratio_c32']:.1%} | {r['ttft_p50_added_ms_c1']:+.1f} |")
+        print(f"\nlmfleet serve start-up to ready: {startup:.0f} s (bare vLLM: {bare_startup:.0f} s)")
+    finally:
+        for p in reversed(procs):
+            stop(p)
+
+
+if __name__ == "__main__":
+    main()
