@@ -195,11 +195,11 @@ models:
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster: Cluster):
+def netns_fleet(cluster: Cluster):
     serve_help = cluster.lab.run(cluster.head, [str(BIN / "lmfleet"), "serve", "--help"], cluster.env, timeout=60)
     if "--address" not in serve_help.stdout:
         pytest.skip("`lmfleet serve --address` is not available yet")
-    cfg = cluster.workdir / "fleet.yaml"
+    cfg = cluster.workdir / "netns_fleet.yaml"
     cfg.write_text(FLEET.format(address=cluster.head_address, host=cluster.head.address, port=GATEWAY_PORT,
                                 workdir=cluster.workdir, model=MODEL))
     cluster.lab.popen(
@@ -301,25 +301,25 @@ def _assert_all_busy(busy: dict[str, float], idle: dict[str, float]) -> None:
         assert rate > 2 * idle[h] + 0.05, f"{h} did no work under load: busy={busy} idle={idle} (CPU s/s)"
 
 
-def test_replicas_one_per_worker(fleet: Cluster):
-    st = fleet.status()
+def test_replicas_one_per_worker(netns_fleet: Cluster):
+    st = netns_fleet.status()
     assert _running_on(st) == ["10.77.0.2", "10.77.0.3"], json.dumps(st, indent=1)
-    text = fleet.status_text()
+    text = netns_fleet.status_text()
     assert "RUNNING" in text and "10.77.0.2" in text and "10.77.0.3" in text
 
 
-def test_load_is_served_by_both_workers(fleet: Cluster):
-    idle = _idle_rate(fleet, ["w1", "w2"])
-    busy = _served_by(fleet, ["w1", "w2"])
+def test_load_is_served_by_both_workers(netns_fleet: Cluster):
+    idle = _idle_rate(netns_fleet, ["w1", "w2"])
+    busy = _served_by(netns_fleet, ["w1", "w2"])
     print(f"\nworker CPU s/s: idle {idle}, under load {busy}")
     _assert_all_busy(busy, idle)
 
 
-def test_worker_loss_loses_no_unstarted_request(fleet: Cluster):
-    ex, futures = _run_load(fleet, 48, concurrency=8, max_tokens=48)
+def test_worker_loss_loses_no_unstarted_request(netns_fleet: Cluster):
+    ex, futures = _run_load(netns_fleet, 48, concurrency=8, max_tokens=48)
     time.sleep(3.0)  # requests in flight on both workers
     t_kill = time.monotonic()
-    fleet.lab.kill_host(fleet.workers["w1"])
+    netns_fleet.lab.kill_host(netns_fleet.workers["w1"])
     outcomes = [f.result() for f in futures]
     ex.shutdown()
 
@@ -334,13 +334,13 @@ def test_worker_loss_loses_no_unstarted_request(fleet: Cluster):
           f"{'succeeded' if all(o.ok for o in after) else 'did NOT all succeed'}")
     assert all(o.ok for o in after)
 
-    st = fleet.wait_status(lambda s: "10.77.0.2" not in _alive_addresses(s), 60, "w1 to be seen dead")
+    st = netns_fleet.wait_status(lambda s: "10.77.0.2" not in _alive_addresses(s), 60, "w1 to be seen dead")
     print(f"w1 seen dead by `cluster status` {time.monotonic() - t_kill:.1f} s after the kill")
     assert st["state"] == "degraded" and any("10.77.0.2" in p for p in st["problems"])
     assert _running_on(st) in (["10.77.0.3"], [])  # the replacement has nowhere to go: head has 1 CPU
     deadline = time.monotonic() + 30  # the gateway polls Serve every health_poll_s
     while time.monotonic() < deadline:
-        ready = _http(fleet, "GET", "/ready")
+        ready = _http(netns_fleet, "GET", "/ready")
         if ready.json()["models"][MODEL]["running_replicas"] == 1:
             break
         time.sleep(1)
@@ -348,19 +348,19 @@ def test_worker_loss_loses_no_unstarted_request(fleet: Cluster):
     assert ready.json()["models"][MODEL]["running_replicas"] == 1, ready.text
 
     # The surviving worker keeps serving.
-    idle = _idle_rate(fleet, ["w2"])
-    _assert_all_busy(_served_by(fleet, ["w2"], n=12), idle)
+    idle = _idle_rate(netns_fleet, ["w2"])
+    _assert_all_busy(_served_by(netns_fleet, ["w2"], n=12), idle)
 
 
-def test_joining_a_worker_restores_capacity(fleet: Cluster):
+def test_joining_a_worker_restores_capacity(netns_fleet: Cluster):
     t0 = time.monotonic()
-    fleet.join("w3")
-    st = fleet.wait_status(lambda s: _running_on(s) == ["10.77.0.3", "10.77.0.4"], 600,
+    netns_fleet.join("w3")
+    st = netns_fleet.wait_status(lambda s: _running_on(s) == ["10.77.0.3", "10.77.0.4"], 600,
                            "the replacement replica on w3")
     print(f"\nw3 joined and its replica was RUNNING {time.monotonic() - t0:.0f} s later")
     assert _alive_addresses(st) >= {"10.77.0.1", "10.77.0.3", "10.77.0.4"}
-    idle = _idle_rate(fleet, ["w2", "w3"])
-    busy = _served_by(fleet, ["w2", "w3"])
+    idle = _idle_rate(netns_fleet, ["w2", "w3"])
+    busy = _served_by(netns_fleet, ["w2", "w3"])
     print(f"worker CPU s/s after the join: idle {idle}, under load {busy}")
     _assert_all_busy(busy, idle)
-    assert _http(fleet, "GET", "/ready").status_code == 200
+    assert _http(netns_fleet, "GET", "/ready").status_code == 200

@@ -137,3 +137,17 @@ def test_cli_overflow_sweep_without_admin_endpoint_exits_2(server, tmp_path, mon
                                  "--mix", "a:1:40:4:chat", "--quiet", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "admin/overflow answered 404" in result.output
     assert not (tmp_path / "sweep.json").exists()
+
+
+@pytest.mark.parametrize("req, stream, extra, path, keys, absent", [
+    (REQS[0], True, None, "/v1/completions", {"prompt", "stream_options", "max_tokens"}, {"messages", "ignore_eos"}),
+    (REQS[1], True, {"temperature": 0}, "/v1/chat/completions", {"messages", "temperature"}, {"prompt"}),
+    (REQS[1], False, None, "/v1/chat/completions", {"messages"}, {"stream_options"}),
+    (BenchRequest("a", "completion", 1, 2, prompt="x", ignore_eos=True), True, None, "/v1/completions",
+     {"ignore_eos"}, set()),
+])
+def test_payload(req, stream, extra, path, keys, absent):
+    url, body = Target("http://h:1/", "m", extra_body=extra).payload(req, stream)
+    data = json.loads(body)
+    assert url == f"http://h:1{path}" and data["model"] == "m" and data["stream"] is stream
+    assert keys <= set(data) and not (absent & set(data))

@@ -139,3 +139,9 @@ def test_gpu_preset_unknown():
                                      ("Mystery GPU", 1000)])
 def test_bandwidth_lookup(name, bw):
     assert bandwidth_for(name) == bw
+
+
+def test_fit_suggests_fewer_replicas_when_tp_fits():
+    [r] = check_gpu_fit(fleet(8, 4, 2), hw("h200x8_idle", "h200x8_idle", "h200x8_idle", "h200x8_idle"))
+    assert r.status is Status.FAIL and "64 GPUs" in r.message
+    assert r.fix.startswith("lower min_replicas to 1")

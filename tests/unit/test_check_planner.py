@@ -120,10 +120,11 @@ def test_weights_split_over_tp_and_pp():
     assert weight_bytes(a, quantization="awq")[0] < 0.3 * whole
 
 
-@pytest.mark.parametrize("layers,pp,sizes", [(61, 4, [15, 16, 15, 15]), (32, 2, [16, 16]), (30, 4, [7, 8, 8, 7]),
-                                             (80, 3, [26, 27, 27]), (4, 4, [1, 1, 1, 1])])
+@pytest.mark.parametrize("layers,pp,sizes", [(61, 4, [15, 15, 16, 15]), (32, 2, [16, 16]), (30, 4, [7, 8, 8, 7]),
+                                             (80, 3, [27, 27, 26]), (61, 3, [20, 21, 20]), (7, 2, [4, 3]),
+                                             (4, 4, [1, 1, 1, 1])])
 def test_pp_split_like_vllm(layers, pp, sizes):
-    # vLLM get_pp_indices: L // pp each, the remainder to the stages before the last
+    # what vllm.distributed.utils.get_pp_indices (0.32) returns for the same numbers
     assert [len(r) for r in pp_layer_split(layers, pp)] == sizes
 
 
@@ -213,3 +214,28 @@ def test_example_fleets_plan(path):
         per_node = max([cfg.cluster.gpus_per_node] + [n.gpus or 0 for n in [cfg.cluster.head, *cfg.cluster.workers] if n])
         spans = any(r.check == "parallel.tp_spans_nodes" and r.subject == m.name for r in results)
         assert spans == (per_node > 0 and tp > per_node), m.name
+
+
+# (example file, model, gpu, fits?, why) - the examples/ fleets' replicas on named GPUs
+EXAMPLE_PLANS = [
+    ("deepseek-4x8-h200.yaml", "deepseek-v3", H200, True, "TP 8 x PP 4 on H200: ~20 GiB of weights per GPU"),
+    ("deepseek-4x8-h200.yaml", "deepseek-v3", H100, True, "the same split fits 80 GB GPUs too"),
+    ("multi-vps-32b.yaml", "r1-distill-qwen-32b", 46068 * MiB, True, "TP 2 on two 48 GB L40S: ~31 GiB of weights each"),
+    ("multi-vps-32b.yaml", "r1-distill-qwen-32b", 24564 * MiB, False, "two 24 GB RTX 4090s cannot hold 61 GiB of weights"),
+    ("default.yaml", "smollm2-135m-instruct", L4, True, "a 135M model fits anything"),
+]
+
+
+@pytest.mark.parametrize("fname,name,gpu,fits,why", EXAMPLE_PLANS, ids=[f"{p[0]}-{p[2] // MiB}MiB" for p in EXAMPLE_PLANS])
+def test_example_fleet_plans(fname, name, gpu, fits, why):
+    from lmfleet.check.memory import plan_for
+    from lmfleet.config import load_config
+
+    path = Path(__file__).parents[2] / "examples" / fname
+    if not path.exists():
+        pytest.skip(f"{path} not written yet")
+    m = load_config(path).model(name)
+    cfg = dict(known_models().get(m.source.lower()) or json.loads((DATA / "vllm_kv_report.json").read_text())
+               ["models"]["smollm2"]["config"])
+    plan = plan_for(m, arch_from_config(cfg), gpu_memory_bytes=gpu)
+    assert plan.fits is fits, f"{why}: {plan}"

@@ -192,12 +192,20 @@ def check_gpu_fit(cfg: FleetConfig, hw: Hardware) -> list[CheckResult]:
                               "keep TP within a node and use pipeline parallelism across nodes"))
             continue
         largest = max(n.gpus_free for n in counted)
+        if tp <= largest:
+            fits = len(placed) // pp
+            fix = (f"lower min_replicas to {fits} (what the free GPUs hold) or add nodes: {groups - len(placed)} more "
+                   f"group(s) of {tp} free GPUs" if fits else f"free GPUs or add nodes: {groups - len(placed)} more "
+                   f"group(s) of {tp} free GPUs on one node")
+        else:
+            fix = f"free GPUs, or lower tensor_parallel_size to <= {largest} (raising pipeline_parallel_size)"
         out.append(failed(
             "gpu.fit", m.name,
             f"needs {groups} group(s) of {tp} free GPUs on one node (TP {tp} x PP {pp} x {replicas} replica(s) = {need} "
             f"GPUs); placed {len(placed)}; the largest node has {largest} free. {detail}",
-            f"free GPUs, lower tensor_parallel_size to <= {largest} (raising pipeline_parallel_size), or lower min_replicas",
-            needed=need, groups=groups, tp=tp))
+            fix, needed=need, groups=groups, tp=tp))
+        for node in placed[len(placed) // pp * pp:]:  # replicas that fit start; a partial one holds nothing
+            free[node] += tp
     return out
 
 

@@ -317,7 +317,8 @@ def activation_reserve_bytes(a: ModelArch, *, tp: int = 1, max_num_batched_token
                              max_num_seqs: int = 256, enforce_eager: bool = False, dtype_bytes: int = 2) -> int:
     """Estimated non-weight, non-KV memory of one GPU: one step's activation peak plus non-torch memory.
 
-    peak = tokens * (2*h + 2*widest_mlp/tp + 3*attn_width/tp) * dtype_bytes + max_num_seqs * V/tp * 4 (fp32 logits)
+    peak = tokens * (2*h + 3*widest_mlp/tp + 3*attn_width/tp) * dtype_bytes + max_num_seqs * V/tp * 4 (fp32 logits)
+    (residual + normed input; gate_up and the activated product; q/k/v and attention output)
     non-torch = 1.0 GiB (CUDA context, NCCL/cuBLAS workspaces) + 1.0 GiB of CUDA graphs unless enforce_eager.
     """
     if a.is_moe:
@@ -325,7 +326,7 @@ def activation_reserve_bytes(a: ModelArch, *, tp: int = 1, max_num_batched_token
     else:
         mlp = a.intermediate_size
     attn = a.num_attention_heads * max(a.head_dim, a.qk_nope_head_dim + a.qk_rope_head_dim)
-    act = max_num_batched_tokens * (2 * a.hidden_size + 2 * mlp / tp + 3 * attn / tp) * dtype_bytes
+    act = max_num_batched_tokens * (2 * a.hidden_size + 3 * mlp / tp + 3 * attn / tp) * dtype_bytes
     logits = max_num_seqs * a.vocab_size / tp * 4
     return int(act + logits + GiB + (0 if enforce_eager else GiB))
 

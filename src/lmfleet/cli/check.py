@@ -57,6 +57,7 @@ def check(
     if as_json:
         sys.stdout.write(to_json(results, exit_code=code, extra=extra) + "\n")
     else:
-        render_table(results, Console(width=max(Console().width, 160)),
+        out = Console()
+        render_table(results, out if out.is_terminal else Console(width=160),  # pipes/CI: wide enough to read
                      title=f"lmfleet check {config or '(embedded default fleet)'}")
     raise typer.Exit(code)

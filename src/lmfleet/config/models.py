@@ -186,7 +186,9 @@ class ProviderPrice(_Strict):
 class ProviderTimeouts(_Strict):
     connect_s: float = Field(5.0, gt=0, description="TCP/TLS connect timeout.")
     total_s: float = Field(300.0, gt=0, description="Whole-request timeout.")
-    first_token_s: float = Field(30.0, gt=0, description="Time allowed before the first byte of the answer.")
+    first_token_s: float = Field(
+        30.0, gt=0, description="Time allowed before the first token, and the longest gap between stream chunks."
+    )
 
 
 class BreakerConfig(_Strict):

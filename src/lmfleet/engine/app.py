@@ -79,10 +79,7 @@ def engine_device(model: ModelConfig) -> str:
 
 def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     """Keyword arguments for ``ray.serve.llm.LLMConfig`` (kept as plain data for unit tests)."""
-    try:  # TODO(lead): plain import once lmfleet.cluster.placement lands
-        from lmfleet.cluster.placement import serve_placement
-    except ImportError:
-        serve_placement = lambda m: None  # noqa: E731
+    from lmfleet.cluster.placement import serve_placement
 
     engine_kwargs = model.engine.vllm_kwargs()
     if model.tokenizer:
@@ -97,7 +94,7 @@ def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     env = engine_env(model)
     if env:
         kwargs["runtime_env"] = {"env_vars": env}
-    placement = serve_placement(model)
+    placement = serve_placement(model, gpu=engine_device(model) == "gpu")
     if placement:
         kwargs["placement_group_config"] = placement
     return kwargs

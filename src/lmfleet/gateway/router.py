@@ -216,7 +216,8 @@ class Router:
     def _provider_target(self, m: LocalModel, p: Provider) -> Target:
         return Target("provider", p.name, served_by_provider(p.name), p.cfg.base_url.rstrip("/"),
                       p.cfg.model_map[m.name], p.client, p.headers,
-                      first_token_timeout_s=p.cfg.timeouts.first_token_s, total_timeout_s=p.cfg.timeouts.total_s)
+                      first_token_timeout_s=p.cfg.timeouts.first_token_s, total_timeout_s=p.cfg.timeouts.total_s,
+                      idle_timeout_s=p.cfg.timeouts.first_token_s)
 
     def attempt_order(self, m: LocalModel, d: RouteDecision, budget_ok: bool) -> list[Target]:
         """The chosen target first, then fallbacks: other healthy providers, and local if not chosen."""

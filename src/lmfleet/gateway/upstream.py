@@ -34,6 +34,7 @@ class Target:
     headers: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     first_token_timeout_s: float | None = None
     total_timeout_s: float | None = None
+    idle_timeout_s: float | None = None  # longest gap between stream chunks before the stream counts as stalled
 
     @property
     def is_local(self) -> bool:
@@ -124,7 +125,14 @@ class OpenStream:
     async def events(self) -> AsyncIterator[bytes]:
         for e in self.head:
             yield e
-        async for chunk in self._it:
+        idle = self.target.idle_timeout_s
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(self._it), idle) if idle else await anext(self._it)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise httpx.ReadTimeout(f"no data from {self.target.served_by} for {idle:g} s") from None
             for e in self._splitter.feed(chunk):
                 yield e
         rest = self._splitter.rest()

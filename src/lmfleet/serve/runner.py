@@ -134,7 +134,7 @@ def wait_until_running(app_names: dict[str, str], timeout_s: float, progress: Ca
                        stop: Callable[[], bool]) -> None:
     """Block until every app is RUNNING; raise DeployError on failure or timeout. ``app_names``: model -> app."""
     t0 = time.monotonic()
-    last = ""
+    last, last_at = "", 0.0
     while True:
         states = app_states(list(app_names.values()))
         failed = {m: states[a] for m, a in app_names.items() if states[a][0] == "DEPLOY_FAILED"}
@@ -145,9 +145,9 @@ def wait_until_running(app_names: dict[str, str], timeout_s: float, progress: Ca
             return
         line = ", ".join(f"{m}: {states[a][0].lower()}" for m, a in app_names.items())
         elapsed = time.monotonic() - t0
-        if line != last or int(elapsed) % 15 == 0:
+        if line != last or elapsed - last_at >= 15:
             progress(f"lmfleet: [{elapsed:5.0f} s] waiting for engines ({line})")
-            last = line
+            last, last_at = line, elapsed
         if elapsed > timeout_s:
             raise DeployError(f"models not running after {timeout_s:.0f} s ({line}); see Ray's serve logs")
         if stop():

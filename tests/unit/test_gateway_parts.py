@@ -1,0 +1,103 @@
+"""Pure parts of the gateway: SSE splitting, health mapping, request validation, message cleaning."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from lmfleet.gateway import sse
+from lmfleet.gateway.errors import GatewayError
+from lmfleet.gateway.health import HealthBoard, model_health
+from lmfleet.gateway.upstream import clean_message
+from lmfleet.gateway.validation import check_context, validate_request
+
+
+@pytest.mark.parametrize("chunks,events", [
+    ([b"data: a\n\n"], [b"data: a\n\n"]),
+    ([b"data: a\n", b"\ndata: b\n\n"], [b"data: a\n\n", b"data: b\n\n"]),
+    ([b"data: a\r\n\r\ndata: b"], [b"data: a\n\n"]),
+    ([b"da", b"ta: [DONE]\n\n"], [b"data: [DONE]\n\n"]),
+])
+def test_sse_splitter(chunks, events):
+    s = sse.SSESplitter()
+    got = []
+    for c in chunks:
+        got += s.feed(c)
+    assert got == events
+
+
+@pytest.mark.parametrize("event,usage", [
+    (b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5}}\n\n', (3, 5)),
+    (b'data: {"choices":[{"index":0}],"usage":null}\n\n', None),
+    (b"data: [DONE]\n\n", None),
+    (b"data: not json\n\n", None),
+])
+def test_usage_of_events(event, usage):
+    assert sse.usage_of(sse.event_json(event)) == usage
+
+
+def _app(status, deployments):
+    return NS(status=NS(value=status), deployments={
+        n: NS(status=NS(value=s), replica_states=r, message=m) for n, (s, r, m) in deployments.items()})
+
+
+@pytest.mark.parametrize("app,ready,words", [
+    (None, False, "not deployed"),
+    (_app("RUNNING", {"LLMServer:m": ("HEALTHY", {"RUNNING": 1}, ""), "OpenAiIngress": ("HEALTHY", {"RUNNING": 1}, "")}),
+     True, "serving"),
+    (_app("DEPLOYING", {"LLMServer:m": ("UPDATING", {"STARTING": 1}, "slow init")}), False, "UPDATING: slow init"),
+    (_app("RUNNING", {"LLMServer:m": ("UPSCALING", {"RUNNING": 1, "STARTING": 1}, "")}), True, "serving"),
+    (_app("UNHEALTHY", {"LLMServer:m": ("UNHEALTHY", {"RUNNING": 0}, "health check failed")}), False, "health check"),
+    (_app("DEPLOY_FAILED", {"LLMServer:m": ("DEPLOY_FAILED", {}, "EngineDeadError")}), False, "EngineDeadError"),
+])
+def test_model_health(app, ready, words):
+    h = model_health(app)
+    assert h.ready is ready and words in h.message
+
+
+def test_health_board_mark_failed_holds_until_next_poll_window():
+    b = HealthBoard({"m": "lmfleet-m"}, fetch=None)
+    assert b.is_ready("m")
+    b.mark_failed("m", "engine died")
+    assert not b.is_ready("m") and not b.all_ready()
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m", "prompt": 5}, "prompt"),
+    ({"model": "m", "prompt": "x", "stop": [1]}, "stop"),
+    ({"model": "m", "prompt": "x", "temperature": True}, "temperature"),
+    ({"model": "m", "prompt": "x", "temperature": float("nan")}, "temperature"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "stream_options": "yes"}, "stream_options"),
+])
+def test_completion_validation(body, param):
+    with pytest.raises(GatewayError) as ei:
+        validate_request("completion", body)
+    assert ei.value.status == 400 and ei.value.param == param
+
+
+def test_valid_requests_parse():
+    p = validate_request("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                                  "stream_options": {"include_usage": True}, "max_completion_tokens": 5})
+    assert p.stream and p.wants_usage and p.max_tokens == 5
+
+
+@pytest.mark.parametrize("prompt,max_tokens,limit,ok", [
+    (10, 10, 20, True), (10, 11, 20, False), (19, None, 20, True), (20, None, 20, False)])
+def test_check_context(prompt, max_tokens, limit, ok):
+    if ok:
+        check_context(prompt, max_tokens, limit)
+    else:
+        with pytest.raises(GatewayError, match=str(limit)):
+            check_context(prompt, max_tokens, limit)
+
+
+@pytest.mark.parametrize("raw,clean", [
+    ("Message: temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0) (Request ID: 5), "
+     "Internal exception: X (Request ID: 5), original exception: ",
+     "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)"),
+    ("plain message", "plain message"),
+])
+def test_clean_message(raw, clean):
+    assert clean_message(raw) == clean
