@@ -32,8 +32,8 @@ def test_completion(fleet):
 
 
 def test_chat_streaming_relays_chunks_as_they_come(fleet):
-    stream = fleet.client().chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=48,
-                                                    temperature=0, stream=True)
+    stream = fleet.client().chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=32,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
     arrivals, text = [], ""
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:

@@ -49,6 +49,7 @@ def _app(status, deployments):
     (_app("DEPLOYING", {"LLMServer:m": ("UPDATING", {"STARTING": 1}, "slow init")}), False, "UPDATING: slow init"),
     (_app("RUNNING", {"LLMServer:m": ("UPSCALING", {"RUNNING": 1, "STARTING": 1}, "")}), True, "serving"),
     (_app("UNHEALTHY", {"LLMServer:m": ("UNHEALTHY", {"RUNNING": 0}, "health check failed")}), False, "health check"),
+    (_app("UNHEALTHY", {"LLMServer:m": ("UNHEALTHY", {"RUNNING": 1}, "node died")}), True, "degraded: "),
     (_app("DEPLOY_FAILED", {"LLMServer:m": ("DEPLOY_FAILED", {}, "EngineDeadError")}), False, "EngineDeadError"),
 ])
 def test_model_health(app, ready, words):

@@ -140,12 +140,15 @@ def create_app(router: Router, *, api_keys: set[str], admin_key: str | None,
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        models = {n: {"ready": h.ready, "message": h.message, "running_replicas": h.running_replicas}
+        models = {n: {"ready": h.ready, "degraded": h.degraded, "message": h.message,
+                      "running_replicas": h.running_replicas}
                   for n, h in router.health.models.items()}
         for n, h in router.health.models.items():
             router.metrics.model_ready.labels(n).set(1 if h.ready else 0)
         ok = router.health.all_ready()
-        return JSONResponse({"ready": ok, "models": models}, status_code=200 if ok else 503)
+        degraded = any(h.degraded for h in router.health.models.values())
+        # 200 while every model can serve (a degraded fleet still takes traffic), 503 otherwise
+        return JSONResponse({"ready": ok, "degraded": degraded, "models": models}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -17,15 +17,18 @@ SERVING_DEPLOYMENT_STATES = {"HEALTHY", "UPSCALING", "DOWNSCALING"}
 @dataclass(frozen=True)
 class ModelHealth:
     ready: bool
+    """At least one replica can serve the model."""
     message: str
     running_replicas: int = 0
+    degraded: bool = False
+    """Serving, but some replicas are down or being replaced (e.g. a node was lost)."""
 
 
 def model_health(app_status: Any | None) -> ModelHealth:
     """Map one Serve application's status overview to our readiness.
 
-    Ready when the application is RUNNING, or when every deployment still has a running replica
-    (an UNHEALTHY or DEPLOYING app whose replicas are being replaced can still serve).
+    Ready when the model's deployment has a running replica; degraded when it does but the
+    deployment is not healthy (replicas lost or being replaced). Not ready with no running replica.
     """
     if app_status is None:
         return ModelHealth(False, "not deployed")
@@ -37,9 +40,9 @@ def model_health(app_status: Any | None) -> ModelHealth:
            if str(getattr(d.status, "value", d.status)) not in SERVING_DEPLOYMENT_STATES]
     if app_state == "RUNNING" and not bad:
         return ModelHealth(True, "serving", running)
-    if not bad and running > 0:
-        return ModelHealth(True, f"serving ({app_state.lower()})", running)
     detail = "; ".join(f"{n} is {s}" + (f": {m}" if m else "") for n, s, m in bad) or f"application is {app_state}"
+    if running > 0:
+        return ModelHealth(True, f"degraded: {detail}"[:500], running, degraded=True)
     return ModelHealth(False, detail[:500], running)
 
 
@@ -54,13 +57,16 @@ class HealthBoard:
         self.updated_at = 0.0
         self._marks: dict[str, tuple[float, str]] = {}
 
+    MARK_HOLD_S = 30.0
+
     def refresh_from(self, apps: dict[str, Any]) -> None:
         now = time.monotonic()
         for model, app in self.app_names.items():
             h = model_health(apps.get(app))
             mark = self._marks.get(model)
-            # an engine failure seen on a request holds until Serve itself reports recovery later
-            if mark and h.ready and now - mark[0] < self.period_s * 2:
+            # Serve notices a dead engine only at its next health check; a failure seen on a request
+            # holds the model down until a local request succeeds again or MARK_HOLD_S passes
+            if mark and h.ready and now - mark[0] < self.MARK_HOLD_S:
                 h = ModelHealth(False, mark[1], h.running_replicas)
             self.models[model] = h
         self.updated_at = now
@@ -69,6 +75,13 @@ class HealthBoard:
         self._marks[model] = (time.monotonic(), message)
         cur = self.models.get(model)
         self.models[model] = ModelHealth(False, message, cur.running_replicas if cur else 0)
+
+    def mark_ok(self, model: str) -> None:
+        """A local request succeeded: the engine serves, whatever an earlier failure suggested."""
+        if self._marks.pop(model, None) is not None:
+            cur = self.models.get(model)
+            if cur is not None and not cur.ready:
+                self.models[model] = ModelHealth(True, "serving", cur.running_replicas)
 
     def is_ready(self, model: str) -> bool:
         h = self.models.get(model)

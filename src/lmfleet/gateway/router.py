@@ -301,6 +301,8 @@ class _Attempt:
     def _end(self, target: Target, ticket, ok: bool, output_tokens: int = 0) -> None:
         if target.is_local:
             self.m.tracker.on_finish(ticket, output_tokens=output_tokens, ok=ok)
+            if ok:
+                self.r.health.mark_ok(self.m.name)
         else:
             self.r.providers[target.name].in_flight -= 1
 
