@@ -39,9 +39,6 @@ def requests(max_tokens: int) -> list[BenchRequest]:
 def run(base_url: str, plan: LoadPlan, max_tokens: int) -> dict:
     records, wall = asyncio.run(run_load(Target(base_url, "fast"), requests(max_tokens), plan))
     measured = [r for r in records if not r.warmup]
-    for r in records:
-        r.warmup = r.start < plan.warmup
-    measured = [r for r in records if not r.warmup]
     s = summarize(measured, measurement_window(records, plan.warmup))
     ts = timeseries(measured, bin_s=1.0)
     busy = [x for x, t in zip(ts["in_flight"], ts["t"]) if plan.warmup + 1 <= t <= (plan.duration or 0) - 1]

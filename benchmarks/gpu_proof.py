@@ -629,7 +629,7 @@ def summary(rep: dict) -> str:
             lines.append(f"plan {name}: {r['error'][:120]}")
     nc = rep.get("nccl", {})
     if nc.get("text"):
-        lines.append(f"nccl 2 GPUs: {nc.get('text')}; peak busbw {nc.get('peak_busbw_GBps')} GB/s")
+        lines.append(f"nccl ({nc.get('gpus', 'fewer than 2')} GPUs): {nc.get('text')}; peak busbw {nc.get('peak_busbw_GBps')} GB/s")
     one = rep.get("nccl_one_gpu", {})
     if one.get("text"):
         lines.append(f"nccl 1 GPU: {one['text']}")

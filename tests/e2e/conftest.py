@@ -92,7 +92,8 @@ class Fleet:
     def client(self, **kw):
         from openai import OpenAI
 
-        return OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key, max_retries=0, **kw)
+        kw.setdefault("api_key", self.api_key)
+        return OpenAI(base_url=f"{self.base_url}/v1", max_retries=0, **kw)
 
     def admin(self, method: str, path: str, **kw) -> httpx.Response:
         return httpx.request(method, f"{self.base_url}{path}", headers={"authorization": f"Bearer {self.admin_key}"},

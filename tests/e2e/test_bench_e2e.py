@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,14 @@ pytestmark = pytest.mark.e2e
 MIX = "short-chat:0.6:40-120:8-24:chat,long-completion:0.4:300-600:8-16:completion"
 
 
-def run_cli(base_url: str, model: str, out: Path) -> subprocess.CompletedProcess:
+def run_cli(base_url: str, model: str, out: Path, api_key: str | None = None,
+            admin_key: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LMFLEET_BENCH_API_KEY": api_key or "", "LMFLEET_ADMIN_KEY": admin_key or ""}
     cmd = [sys.executable, "-m", "lmfleet.cli.main", "bench", "run", "--url", base_url, "--model", model,
            "--tokenizer", "builtin:smollm2", "--users", "4", "--requests", "16", "--mix", MIX, "--seed", "1",
            "--price", "local=0.05:0.10", "--price", "provider=0.5:1.5", "--price", "*=0.05:0.10",
            "--slo-ttft-ms", "60000", "--quiet", "--out", str(out)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
 def check_report_files(out: Path) -> dict:
@@ -47,7 +50,7 @@ def check_report_files(out: Path) -> dict:
     return report
 
 
-def check_exact_prompt_tokens(base_url: str, model: str) -> None:
+def check_exact_prompt_tokens(base_url: str, model: str, api_key: str | None = None) -> None:
     """Synthesised prompts have exactly the asked token count, as the engine counts them (usage)."""
     from transformers import AutoTokenizer
 
@@ -57,7 +60,7 @@ def check_exact_prompt_tokens(base_url: str, model: str) -> None:
 
     synth = PromptSynthesizer(AutoTokenizer.from_pretrained(resolve_source("builtin:smollm2")))
     reqs = sample_requests(parse_mix_inline("c:0.5:40-200:2:chat,p:0.5:40-200:2:completion"), 4, synth, seed=5)
-    records, _ = asyncio.run(run_load(Target(base_url, model), reqs, LoadPlan(users=1, num_requests=4)))
+    records, _ = asyncio.run(run_load(Target(base_url, model, api_key), reqs, LoadPlan(users=1, num_requests=4)))
     assert all(r.ok for r in records)
     # compare where the engine itself answered (an external provider may tokenise differently)
     pairs = [(r.prompt_tokens, q.input_tokens) for r, q in zip(records, reqs) if not r.provider.startswith("provider/")]
@@ -66,16 +69,19 @@ def check_exact_prompt_tokens(base_url: str, model: str) -> None:
 
 def test_bench_run_through_gateway(fleet, tmp_path):
     model = fleet.models[0]
-    result = run_cli(fleet.base_url, model, tmp_path)
+    result = run_cli(fleet.base_url, model, tmp_path, fleet.api_key, fleet.admin_key)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Throughput (output tok/s)" in result.stdout
     report = check_report_files(tmp_path)
     # through the gateway every answer names who served it (local/NAME or provider/NAME)
     assert all(p.startswith(("local/", "provider/")) for p in report["providers"]), list(report["providers"])
-    check_exact_prompt_tokens(fleet.base_url, model)
+    # the gateway has a ledger: cost comes from it, and it saw our requests
+    assert report["meta"]["cost_source"] == "ledger"
+    assert all(s["cost_source"] == "ledger" for s in report["providers"].values())
+    check_exact_prompt_tokens(fleet.base_url, model, fleet.api_key)
 
 
 def test_bench_bad_model_exits_2_without_load(fleet, tmp_path):
-    result = run_cli(fleet.base_url, "no-such-model", tmp_path)
+    result = run_cli(fleet.base_url, "no-such-model", tmp_path, fleet.api_key)
     assert result.returncode == 2 and "is not served" in result.stderr
     assert not (tmp_path / "report.json").exists()

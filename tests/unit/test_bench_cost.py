@@ -58,6 +58,10 @@ def test_costs_and_per_million():
      {"p/x": {"cost_usd": 3.0, "input_tokens": 0, "output_tokens": 5}}),
     ([{"provider": "l", "cost_usd": 0.5, "prompt_tokens": 1, "completion_tokens": 2}],
      {"l": {"cost_usd": 0.5, "input_tokens": 1, "output_tokens": 2}}),
+    ({"since": 1.0, "until": None, "total": {"served_by": "total", "cost_usd": 9},  # lmfleet's gateway
+      "rows": [{"served_by": "local/smollm2", "requests": 3, "input_tokens": 30, "output_tokens": 60,
+                "cost_usd": 0.002, "usd_per_1m_output": 33.3}]},
+     {"local/smollm2": {"cost_usd": 0.002, "input_tokens": 30, "output_tokens": 60}}),
     ({"something": "else"}, None),
     ([], None),
 ])
@@ -89,7 +93,7 @@ def test_cost_table_incomplete_without_prices():
     ("1,x", "rate", "comma-separated numbers"),
     ("0,1", "rate", "must be > 0"),
     ("1.5", "users", "whole numbers"),
-    ("-1", "overflow", "must be >= 0"),
+    ("0", "overflow", "must be > 0"),
     ("1", "temperature", "--over 'temperature'"),
 ])
 def test_parse_values_errors(text, param, message):

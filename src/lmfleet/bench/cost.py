@@ -7,6 +7,8 @@ Accepted shapes (the first that matches wins)::
     {"providers": {...same...}}
     {"rows" | "usage" | "items": [{"provider": "...", "cost_usd": ..., "input_tokens": ..., "output_tokens": ...}]}
     [{"provider": ..., ...}, ...]
+
+``served_by`` is accepted for ``provider`` (lmfleet's gateway answers ``{"rows": [{"served_by": ...}], "total": ...}``).
 """
 
 from __future__ import annotations
@@ -88,9 +90,10 @@ def parse_usage(data: Any) -> dict[str, dict[str, float]] | None:
         return None
     out: dict[str, dict[str, float]] = {}
     for row in rows:
-        if not isinstance(row, dict) or "provider" not in row:
+        name = row.get("provider", row.get("served_by")) if isinstance(row, dict) else None
+        if name is None:
             continue
-        agg = out.setdefault(str(row["provider"]), {"cost_usd": 0.0, "input_tokens": 0, "output_tokens": 0})
+        agg = out.setdefault(str(name), {"cost_usd": 0.0, "input_tokens": 0, "output_tokens": 0})
         agg["cost_usd"] += float(row.get("cost_usd") or row.get("cost") or 0.0)
         agg["input_tokens"] += int(row.get("input_tokens") or row.get("prompt_tokens") or 0)
         agg["output_tokens"] += int(row.get("output_tokens") or row.get("completion_tokens") or 0)
@@ -101,7 +104,7 @@ def fetch_usage(base_url: str, since: float, admin_key: str | None, timeout: flo
     """The gateway ledger since ``since``, or None (no endpoint, not lmfleet, unreadable)."""
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     try:
-        r = httpx.get(f"{base_url.rstrip('/')}/admin/usage", params={"since": int(since)}, headers=headers,
+        r = httpx.get(f"{base_url.rstrip('/')}/admin/usage", params={"since": since}, headers=headers,
                       timeout=timeout)
         if r.status_code != 200:
             return None

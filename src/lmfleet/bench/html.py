@@ -63,7 +63,8 @@ def table_html(report: dict[str, Any], section: str) -> str:
     rows = []
     for label, get in TABLE_ROWS:
         cells = "".join(f"<td>{html.escape(get(s))}</td>" for _, s in groups)
-        rows.append(f"<tr><td>{html.escape(label)}</td>{cells}<td><b>{html.escape(get(report['overall']))}</b></td></tr>")
+        overall = html.escape(get(report["overall"]))
+        rows.append(f"<tr><td>{html.escape(label)}</td>{cells}<td><b>{overall}</b></td></tr>")
     return f"<table><tr><th>Metric</th>{head}<th>Overall</th></tr>{''.join(rows)}</table>"
 
 

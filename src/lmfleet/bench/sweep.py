@@ -36,8 +36,8 @@ def parse_values(text: str, param: str) -> list[float]:
         raise BenchInputError(f"--values for {param} must be > 0, got {values}")
     if param == "users" and any(v != int(v) for v in values):
         raise BenchInputError(f"--values for users must be whole numbers, got {values}")
-    if param == "overflow" and any(v < 0 for v in values):
-        raise BenchInputError(f"--values for overflow (threshold in ms) must be >= 0, got {values}")
+    if param == "overflow" and any(v <= 0 for v in values):
+        raise BenchInputError(f"--values for overflow (threshold in ms) must be > 0, got {values}")
     return values
 
 

@@ -231,7 +231,8 @@ def pick_class(mix: WorkloadMix, rng: random.Random) -> WorkloadClass:
     return rng.choices(mix.classes, weights=[c.weight for c in mix.classes], k=1)[0]
 
 
-def sample_requests(mix: WorkloadMix, n: int, synth: "PromptSynthesizer", seed: int | None = None) -> list[BenchRequest]:
+def sample_requests(mix: WorkloadMix, n: int, synth: "PromptSynthesizer",
+                    seed: int | None = None) -> list[BenchRequest]:
     """``n`` requests drawn from the mix; the same (mix, n, seed, tokenizer) gives the same list."""
     rng = random.Random(mix.seed if seed is None else seed)
     out = []
@@ -239,7 +240,8 @@ def sample_requests(mix: WorkloadMix, n: int, synth: "PromptSynthesizer", seed: 
         c = pick_class(mix, rng)
         n_in, n_out = c.input_tokens.sample(rng), c.output_tokens.sample(rng)
         if c.api == "chat":
-            out.append(BenchRequest(c.name, "chat", n_in, n_out, messages=synth.chat(n_in, rng), ignore_eos=c.ignore_eos))
+            out.append(BenchRequest(c.name, "chat", n_in, n_out, messages=synth.chat(n_in, rng),
+                                    ignore_eos=c.ignore_eos))
         else:
             out.append(BenchRequest(c.name, "completion", n_in, n_out, prompt=synth.completion(n_in, rng),
                                     ignore_eos=c.ignore_eos))
@@ -337,7 +339,8 @@ def load_dataset(path: Path, n: int, seed: int, tokenizer: Any | None, max_token
     for prompt, max_tokens in picks:
         n_in = len(tokenizer.encode(prompt)) if tokenizer else 0
         if api == "chat":
-            out.append(BenchRequest("dataset", "chat", n_in, max_tokens, messages=[{"role": "user", "content": prompt}]))
+            out.append(BenchRequest("dataset", "chat", n_in, max_tokens,
+                                    messages=[{"role": "user", "content": prompt}]))
         else:
             out.append(BenchRequest("dataset", "completion", n_in, max_tokens, prompt=prompt))
     return out

@@ -185,7 +185,11 @@ def sweep(over: str = typer.Option(..., "--over", help="What to sweep: rate, use
         write_outputs(report, out / f"{over}-{value:g}")
         return report
 
-    rows = run_sweep(over, vals, step)
+    try:
+        rows = run_sweep(over, vals, step)
+    except BenchInputError as e:  # the admin endpoint refused a later value: load was already sent
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
     paths = write_sweep(rows, over, out)
     typer.echo(json.dumps(rows, indent=2))
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}", err=True)

@@ -7,7 +7,8 @@
     w2   10.77.0.3  same
     w3   10.77.0.4  joins after w1 is killed
 
-The tests run in file order and share the cluster (engines are expensive on 2 cores).
+The tests run in file order and share the cluster (engines are expensive on 2 cores). The file is
+named to run first among the e2e tests, so its engines are gone before the shared `fleet` starts.
 """
 
 from __future__ import annotations
