@@ -6,7 +6,10 @@ Needs torch with CUDA, nvidia-ml-py and NCCL; no vLLM, no Ray, no pydantic. Impo
 
     python benchmarks/gpu_proof.py --out DIR [--models qwen2.5-0.5b,qwen2.5-7b] [--steps probe,weights,...]
 
-Steps (about 2-4 minutes on one or two H200s):
+NVLink multicast stays off: the script sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
+NVSHMEM_DISABLE_NVLS=1 before torch loads.
+
+Steps (56 s on 2x H200, docs/gpu_proof.md holds that run's figures):
   1. probe   - gpu_probe.probe_gpus() against ``nvidia-smi`` (names, uuids, totals, used, compute processes),
                idle and while a second process holds memory on the last GPU: that GPU must turn busy and its
                pid show. Raw NVML answers (v1 and v2 memory info) are saved as unit-test recordings.
@@ -66,6 +69,7 @@ WEIGHT_TARGET = 0.05  # issue 7: planner weight bytes within 5 % of what torch a
 DEV = "cuda:0"  # a CPU dry run (tests) points this elsewhere
 HOLDER = """
 import sys, time, torch
+torch.cuda.set_device(int(sys.argv[1]))  # else synchronize() opens a context on GPU 0 too
 x = torch.empty(int(sys.argv[2]) * 1024**2, dtype=torch.uint8, device=f"cuda:{sys.argv[1]}")
 x.fill_(1); torch.cuda.synchronize(); print("ready", flush=True); time.sleep(600)
 """
@@ -121,24 +125,6 @@ def nvidia_smi() -> list[dict]:
     return out
 
 
-def record(nvml) -> dict:
-    """record_nvml()'s recording plus each GPU's raw memory info in NVML's v2 form (total/reserved/used/free)."""
-    rec = gpu_probe.record_nvml(nvml)
-    nvml.nvmlInit()
-    try:
-        for i, g in enumerate(rec["gpus"]):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            try:
-                m = nvml.nvmlDeviceGetMemoryInfo(h, version=nvml.nvmlMemory_v2)
-                g["memory_v2"] = {"total": int(m.total), "reserved": int(m.reserved), "used": int(m.used),
-                                  "free": int(m.free)}
-            except Exception as e:  # noqa: BLE001 - recorded: the replay then knows v2 is missing
-                g["memory_v2_error"] = str(e)
-    finally:
-        nvml.nvmlShutdown()
-    return rec
-
-
 def compare(probe: gpu_probe.NodeGpus, smi: list[dict]) -> list[dict]:
     """One row per GPU: the probe's figures beside nvidia-smi's, with what differs."""
     rows = []
@@ -148,7 +134,8 @@ def compare(probe: gpu_probe.NodeGpus, smi: list[dict]) -> list[dict]:
         pids, smi_pids = sorted(p.pid for p in g.processes), sorted(p["pid"] for p in s["processes"])
         row = {"index": g.index, "name": g.name, "smi_name": s["name"], "uuid_match": g.uuid == s["uuid"],
                "total_mib": g.memory_total / MiB, "smi_total_mib": s["total_mib"],
-               "used_mib": g.memory_used / MiB, "smi_used_mib": s["used_mib"], "smi_reserved_mib": s.get("reserved_mib"),
+               "used_mib": g.memory_used / MiB, "smi_used_mib": s["used_mib"],
+               "reserved_mib": g.memory_reserved / MiB, "smi_reserved_mib": s.get("reserved_mib"),
                "free": g.free, "pids": pids, "smi_pids": smi_pids}
         problems = []
         if g.name != s["name"] or g.uuid != s["uuid"]:
@@ -157,6 +144,8 @@ def compare(probe: gpu_probe.NodeGpus, smi: list[dict]) -> list[dict]:
             problems.append(f"total {g.memory_total / MiB:.0f} MiB vs nvidia-smi {s['total_mib']}")
         if abs(g.memory_used / MiB - s["used_mib"]) > 2:  # nvidia-smi rounds to MiB; nothing moves between reads
             problems.append(f"used {g.memory_used / MiB:.0f} MiB vs nvidia-smi {s['used_mib']}")
+        if s.get("reserved_mib") is not None and abs(g.memory_reserved / MiB - s["reserved_mib"]) > 1:
+            problems.append(f"reserved {g.memory_reserved / MiB:.0f} MiB vs nvidia-smi {s['reserved_mib']}")
         if pids != smi_pids:
             problems.append(f"processes {pids} vs nvidia-smi {smi_pids}")
         row["problems"] = problems
@@ -174,7 +163,7 @@ def step_probe(out: Path, hold_gib: int) -> dict:
     res: dict = {}
     idle = gpu_probe.probe_gpus(pynvml)
     smi = nvidia_smi()
-    (out / "nvml_recording_idle.json").write_text(json.dumps(record(pynvml), indent=1))
+    (out / "nvml_recording_idle.json").write_text(json.dumps(gpu_probe.record_nvml(pynvml), indent=1))
     rows = compare(idle, smi)
     res["idle"] = {"probe": idle.to_dict(), "nvidia_smi": smi, "rows": rows, "problems": _problems(rows)}
     last = len(idle.gpus) - 1
@@ -186,7 +175,7 @@ def step_probe(out: Path, hold_gib: int) -> dict:
         ready = holder.stdout.readline().strip() == "ready"
         busy = gpu_probe.probe_gpus(pynvml)
         smi_busy = nvidia_smi()
-        (out / "nvml_recording_busy.json").write_text(json.dumps(record(pynvml), indent=1))
+        (out / "nvml_recording_busy.json").write_text(json.dumps(gpu_probe.record_nvml(pynvml), indent=1))
     finally:
         holder.kill()
         holder.wait()
@@ -284,12 +273,14 @@ def step_weights(models: list[str], use_hf: bool) -> dict:
                 if kind == "hf_bf16":
                     model = build_hf(cfg)
                     numel = sum(p.numel() for p in model.parameters())
+                    nbytes = sum(p.nbytes for p in model.parameters())
                     allocated = torch_allocated() - base
                     r["hf_class"] = type(model).__name__
                     del model
                 else:
                     t = build_tensors(cfg, fp8=(kind == "fp8"))
                     numel = sum(v.numel() for k, v in t.items() if not k.endswith(".scale"))
+                    nbytes = sum(v.nbytes for v in t.values())
                     allocated = torch_allocated() - base
                     del t
             except Exception as e:  # noqa: BLE001 - transformers missing or too old: the tensor builds still count
@@ -298,7 +289,7 @@ def step_weights(models: list[str], use_hf: bool) -> dict:
                 continue
             planned = sum(planner.weight_bytes(arch, "bfloat16", "fp8" if kind == "fp8" else None))
             err = (planned - allocated) / allocated
-            r[kind] = {"params_torch": numel, "bytes_allocated": allocated, "bytes_planner": planned,
+            r[kind] = {"params_torch": numel, "bytes_tensors": nbytes, "bytes_allocated": allocated, "bytes_planner": planned,
                        "rel_error": round(err, 6), "ok": abs(err) <= WEIGHT_TARGET}
             log(f"weights {name} {kind}: torch {allocated / GiB:.3f} GiB ({numel / 1e9:.3f} B params), planner "
                 f"{planned / GiB:.3f} GiB ({counts.total / 1e9:.3f} B), error {err:+.3%}")
@@ -418,14 +409,12 @@ def step_activation(models: list[str], tokens: int, seqs: int = 256) -> dict:
 
 # ---- 5. the plan made real ------------------------------------------------------------------------------------------
 
-def nvml_total(index: int = 0) -> int:
+def nvml_total(index: int = 0) -> tuple[int, int]:
+    """(total, driver-reserved) bytes of one GPU, as the probe reads them."""
     import pynvml
 
-    pynvml.nvmlInit()
-    try:
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total)
-    finally:
-        pynvml.nvmlShutdown()
+    g = gpu_probe.probe_gpus(pynvml).gpus[index]
+    return g.memory_total, g.memory_reserved
 
 
 def step_plan(models: list[str], tokens: int, utilization: float = 0.9, max_model_len: int = 32768) -> dict:
@@ -433,7 +422,7 @@ def step_plan(models: list[str], tokens: int, utilization: float = 0.9, max_mode
     import torch
 
     res: dict = {}
-    total = nvml_total(0)
+    total, reserved = nvml_total(0)
     for name in models:
         cfg = load_cfg(name)
         arch = planner.arch_from_config(cfg)
@@ -443,7 +432,10 @@ def step_plan(models: list[str], tokens: int, utilization: float = 0.9, max_mode
         release()
         torch.cuda.reset_peak_memory_stats(0)
         base = torch_allocated()
-        r: dict = {"nvml_total": total, "plan": plan.as_dict()}
+        usable = planner.plan_memory(arch, dtype="bfloat16", gpu_memory_bytes=total - reserved,
+                                     gpu_memory_utilization=utilization, max_model_len=mml, max_num_batched_tokens=tokens)
+        r: dict = {"nvml_total": total, "nvml_reserved": reserved, "plan": plan.as_dict(),
+                   "plan_on_usable": {k: usable.as_dict()[k] for k in ("budget_bytes_per_gpu", "kv_bytes_per_gpu", "kv_tokens")}}
         t = caches = x = None
         try:
             t = build_tensors(cfg)
@@ -464,6 +456,7 @@ def step_plan(models: list[str], tokens: int, utilization: float = 0.9, max_mode
                       "activation_peak": activation, "non_torch": non_torch, "cuda_total": cuda_total,
                       "process_used": cuda_total - cuda_free, "vllm_budget": vllm_budget, "vllm_kv_bytes": vllm_kv,
                       "planner_kv_bytes": plan.kv_bytes_per_gpu, "kv_rel_error": round((plan.kv_bytes_per_gpu - vllm_kv) / vllm_kv, 5),
+                      "kv_rel_error_on_usable": round((usable.kv_bytes_per_gpu - vllm_kv) / vllm_kv, 5),
                       "within_budget": cuda_total - cuda_free <= vllm_budget})
             r["ok"] = r["within_budget"] and abs(weights - plan.weight_bytes_per_gpu) / weights <= WEIGHT_TARGET
             log(f"plan {name}: planner {plan.kv_tokens} KV tokens ({plan.kv_bytes_per_gpu / GiB:.2f} GiB KV), process "
@@ -605,7 +598,7 @@ def summary(rep: dict) -> str:
         for r in pr.get(state, {}).get("rows", []):
             if "index" in r:
                 lines.append(f"probe {state:4} GPU {r['index']}: total {r['total_mib']:.0f} MiB (smi {r['smi_total_mib']}), "
-                             f"used {r['used_mib']:.0f} MiB (smi {r['smi_used_mib']}, reserved {r['smi_reserved_mib']}), "
+                             f"used {r['used_mib']:.0f} MiB (smi {r['smi_used_mib']}), reserved {r['reserved_mib']:.0f} MiB (smi {r['smi_reserved_mib']}), "
                              f"free={r['free']}, pids {r['pids']} (smi {r['smi_pids']}) {'OK' if not r['problems'] else r['problems']}")
     for name, r in rep.get("weights", {}).items():
         if isinstance(r, dict):
@@ -624,7 +617,7 @@ def summary(rep: dict) -> str:
     for name, r in rep.get("plan", {}).items():
         if isinstance(r, dict) and "vllm_kv_bytes" in r:
             lines.append(f"plan {name}: planner KV {r['planner_kv_bytes'] / GiB:.2f} GiB vs vLLM-style {r['vllm_kv_bytes'] / GiB:.2f} "
-                         f"GiB ({r['kv_rel_error']:+.2%}); used {r['process_used'] / GiB:.2f} / budget {r['vllm_budget'] / GiB:.2f} GiB")
+                         f"GiB ({r['kv_rel_error']:+.2%}; {r['kv_rel_error_on_usable']:+.2%} on total-reserved); used {r['process_used'] / GiB:.2f} / budget {r['vllm_budget'] / GiB:.2f} GiB")
         elif isinstance(r, dict) and "error" in r:
             lines.append(f"plan {name}: {r['error'][:120]}")
     nc = rep.get("nccl", {})

@@ -232,6 +232,11 @@ async def test_ledger_and_metrics_add_up(tmp_path):
     text = (await c.get("/metrics")).text
     assert 'lmfleet_requests_total{model="m",served_by="provider/p",status="200"} 2.0' in text
     assert "lmfleet_time_to_first_token_seconds" in text
+    await c.post("/v1/chat/completions", json={**CHAT, "temperature": 9})
+    await c.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
+    text = (await c.get("/metrics")).text
+    assert 'lmfleet_errors_total{code="400",model="m"} 1.0' in text
+    assert 'lmfleet_errors_total{code="404",model="unknown"} 1.0' in text
 
 
 async def test_models_lists_served_models(tmp_path):

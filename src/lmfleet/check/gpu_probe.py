@@ -7,6 +7,12 @@ call :func:`probe_gpus`. The NVML module is injectable: tests replay recorded an
 A GPU counts as *free* when at most ``busy_fraction`` of its memory is in use (the driver itself
 holds a few hundred MiB on an idle GPU) — not when no process is listed: containers often cannot
 see other containers' processes, but they always see the memory those processes hold.
+
+Memory is read the way ``nvidia-smi`` shows it: NVML's v2 memory info, whose ``used`` leaves out the
+driver's own reservation (615 MiB on an H200 with driver 580, shown as 616; NVML's older v1 answer
+counts it as used). That reservation is reported apart, as ``memory_reserved``; ``memory_total - memory_reserved`` is
+what CUDA can allocate (``cudaMemGetInfo``'s total, the base of vLLM's ``gpu_memory_utilization``).
+Measured on 2x H200, docs/gpu_proof.md.
 """
 
 from __future__ import annotations
@@ -39,10 +45,16 @@ class GpuInfo:
     memory_used: int
     processes: tuple[GpuProcess, ...] = ()
     free: bool = True
+    memory_reserved: int = 0  # held by the driver, never allocatable (0: the driver did not say)
 
     @property
     def used_fraction(self) -> float:
         return self.memory_used / self.memory_total if self.memory_total else 1.0
+
+    @property
+    def memory_usable(self) -> int:
+        """What CUDA can allocate in all: cudaMemGetInfo's total, on which vLLM applies gpu_memory_utilization."""
+        return self.memory_total - self.memory_reserved
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,19 @@ def _processes(nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
     return tuple(seen.values())
 
 
+def _memory(nvml: Any, handle: Any) -> tuple[int, int, int]:
+    """(total, used, reserved) as nvidia-smi shows them: NVML's v2 answer, else v1 (whose used includes the reserve)."""
+    v2 = getattr(nvml, "nvmlMemory_v2", None)
+    if v2 is not None:
+        try:
+            m = nvml.nvmlDeviceGetMemoryInfo(handle, version=v2)
+            return int(m.total), int(m.used), int(m.reserved)
+        except Exception:  # noqa: BLE001 - a driver without the v2 call
+            pass
+    m = nvml.nvmlDeviceGetMemoryInfo(handle)
+    return int(m.total), int(m.used), 0
+
+
 def probe_gpus(nvml: Any = None, *, busy_fraction: float = DEFAULT_BUSY_FRACTION, hostname: str | None = None) -> NodeGpus:
     """Ask NVML about every GPU of this machine. Never raises: a machine without NVML answers ``error=...``."""
     host = hostname or socket.gethostname()
@@ -119,12 +144,11 @@ def probe_gpus(nvml: Any = None, *, busy_fraction: float = DEFAULT_BUSY_FRACTION
         gpus = []
         for i in range(int(nvml.nvmlDeviceGetCount())):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
-            mem = nvml.nvmlDeviceGetMemoryInfo(h)
-            total, used = int(mem.total), int(mem.used)
+            total, used, reserved = _memory(nvml, h)
             gpus.append(GpuInfo(
                 index=i, name=_text(nvml.nvmlDeviceGetName(h)), uuid=_text(nvml.nvmlDeviceGetUUID(h)),
                 memory_total=total, memory_used=used, processes=_processes(nvml, h),
-                free=total > 0 and used / total <= busy_fraction,
+                free=total > 0 and used / total <= busy_fraction, memory_reserved=reserved,
             ))
         return NodeGpus(host, tuple(gpus), driver, None, busy_fraction)
     except Exception as e:  # noqa: BLE001
@@ -147,8 +171,12 @@ class ReplayNVML:
     """A stand-in for the ``pynvml`` module that answers from a recording made by :func:`record_nvml`.
 
     Recording format: ``{"init_error": str|null, "driver_version": str, "gpus": [{"name", "uuid",
-    "memory": {"total", "used", "free"}, "processes": [{"pid", "usedGpuMemory", "name"}]}]}``.
+    "memory": {"total", "used", "free"}, "memory_v2": {"total", "reserved", "used", "free"} (optional),
+    "processes": [{"pid", "usedGpuMemory", "name"}]}]}``. Without ``memory_v2`` the v2 call fails, as on
+    drivers that lack it.
     """
+
+    nvmlMemory_v2 = 0x2000028  # pynvml's value; any value asks for the v2 answer
 
     class NVMLError(Exception):
         pass
@@ -179,8 +207,12 @@ class ReplayNVML:
     def nvmlDeviceGetUUID(self, h: dict[str, Any]) -> str:
         return h["uuid"]
 
-    def nvmlDeviceGetMemoryInfo(self, h: dict[str, Any]) -> _Obj:
-        return _Obj(**h["memory"])
+    def nvmlDeviceGetMemoryInfo(self, h: dict[str, Any], version: int | None = None) -> _Obj:
+        if not version:
+            return _Obj(**h["memory"])
+        if "memory_v2" not in h:
+            raise self.NVMLError("Function Not Found")
+        return _Obj(**h["memory_v2"])
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: dict[str, Any]) -> list[_Obj]:
         return [_Obj(pid=p["pid"], usedGpuMemory=p.get("usedGpuMemory")) for p in h.get("processes", [])]
@@ -207,9 +239,15 @@ def record_nvml(nvml: Any = None) -> dict[str, Any]:
             mem = nvml.nvmlDeviceGetMemoryInfo(h)
             procs = [{"pid": p.pid, "usedGpuMemory": p.used_bytes, "name": p.name}
                      for p in _processes(nvml, h)]
-            rec["gpus"].append({"name": _text(nvml.nvmlDeviceGetName(h)), "uuid": _text(nvml.nvmlDeviceGetUUID(h)),
-                                "memory": {"total": int(mem.total), "used": int(mem.used), "free": int(mem.free)},
-                                "processes": procs})
+            gpu = {"name": _text(nvml.nvmlDeviceGetName(h)), "uuid": _text(nvml.nvmlDeviceGetUUID(h)),
+                   "memory": {"total": int(mem.total), "used": int(mem.used), "free": int(mem.free)}}
+            try:
+                m2 = nvml.nvmlDeviceGetMemoryInfo(h, version=nvml.nvmlMemory_v2)
+                gpu["memory_v2"] = {"total": int(m2.total), "reserved": int(m2.reserved), "used": int(m2.used),
+                                    "free": int(m2.free)}
+            except Exception:  # noqa: BLE001 - no v2 on this driver (or in this recording)
+                pass
+            rec["gpus"].append({**gpu, "processes": procs})
         return rec
     finally:
         nvml.nvmlShutdown()

@@ -386,7 +386,11 @@ def plan_memory(
 ) -> MemoryPlan:
     """Plan one replica's memory on GPUs of ``gpu_memory_bytes`` each, or with a fixed ``kv_cache_bytes`` (CPU).
 
-    Exactly one of ``gpu_memory_bytes`` and ``kv_cache_bytes`` must be given.
+    Exactly one of ``gpu_memory_bytes`` and ``kv_cache_bytes`` must be given. vLLM applies
+    ``gpu_memory_utilization`` to cudaMemGetInfo's total, which is nvidia-smi's total less the driver's
+    reserve (616 MiB on an H200): ``GpuInfo.memory_usable`` from the probe. Given nvidia-smi's total instead,
+    the budget is 0.9 x that reserve too large; on 2x H200 the plan still held, because the reserve estimate
+    is larger than what was measured (docs/gpu_proof.md).
     """
     if (gpu_memory_bytes is None) == (kv_cache_bytes is None):
         raise PlanError("give exactly one of gpu_memory_bytes (GPU engines) and kv_cache_bytes (CPU engines)")

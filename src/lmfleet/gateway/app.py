@@ -115,8 +115,14 @@ def create_app(router: Router, *, api_keys: set[str], admin_key: str | None,
         return await call_next(request)
 
     async def _openai(request: Request, kind: str, path: str) -> Response:
-        parsed = validate_request(kind, parse_json(await request.body()))  # type: ignore[arg-type]
-        return await router.handle(parsed, path)
+        model = None
+        try:
+            body = parse_json(await request.body())
+            model = body.get("model") if isinstance(body.get("model"), str) else None
+            return await router.handle(validate_request(kind, body), path)  # type: ignore[arg-type]
+        except GatewayError as e:
+            router.count_error(model, e.status)
+            raise
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -252,6 +252,12 @@ class Router:
             return await ctx.stream(targets)
         return await ctx.unary(targets)
 
+    def count_error(self, model: str | None, status: int) -> None:
+        """An error answer that never reached a backend's accounting (validation, routing, give-up)."""
+        label = model if model in self.models else "unknown"  # arbitrary names must not blow up cardinality
+        self.metrics.errors.labels(label, str(status)).inc()
+        self.metrics.requests.labels(label, "none", str(status)).inc()
+
     def finish(self, m: LocalModel, o: Outcome, latency_s: float) -> None:
         """Metrics, cost and the ledger row of one finished request."""
         labels = (m.name, o.served_by)
@@ -365,70 +371,47 @@ class _Attempt:
             return True
         return self.r.providers[t.name].breaker.try_acquire()
 
-    # -- non-streaming --
+    async def _first_success(self, targets: list[Target], call):
+        """Try targets in order until ``call(target)`` succeeds; returns (target, ticket, result).
+
+        Only failures before anything reached the client come here, so every one may move on.
+        """
+        for t, k, last in self._tries(targets):
+            if time.monotonic() >= self.deadline:
+                break
+            if k > 0:
+                await self._pause(t, k)
+            if not self._allowed(t):
+                continue
+            ticket = self._begin(t)
+            try:
+                return t, ticket, await call(_with_timeout(t, self.deadline - time.monotonic()))
+            except UpstreamError as e:
+                self._end(t, ticket, ok=False)
+                self._failed(t, e, k + 1, not last)
+                if not e.retryable:
+                    break
+        raise self._give_up()
+
     async def unary(self, targets: list[Target]) -> Response:
-        for t, k, last in self._tries(targets):
-            if time.monotonic() >= self.deadline:
-                break
-            if k > 0:
-                await self._pause(t, k)
-            if not self._allowed(t):
-                continue
-            ticket = self._begin(t)
-            remaining = self.deadline - time.monotonic()
-            t = _with_timeout(t, remaining)
-            try:
-                raw, obj = await complete(t, self.path, self.req.body)
-            except UpstreamError as e:
-                self._end(t, ticket, ok=False)
-                self._failed(t, e, k + 1, not last)
-                if not e.retryable:
-                    break
-                continue
-            usage = sse.usage_of(obj) or (self.prompt_tokens, 0)
-            self._end(t, ticket, ok=True, output_tokens=usage[1])
-            if not t.is_local:
-                self.r.providers[t.name].breaker.on_success()
-            if obj.get("model") != self.req.model:  # a provider's own model name never reaches the client
-                obj["model"] = self.req.model
-                raw = json.dumps(obj).encode()
-            self.r.finish(self.m, Outcome(t.served_by, self.reason, usage[0], usage[1]), time.monotonic() - self.t0)
-            return Response(raw, media_type="application/json", headers=self._headers(t))
-        err = self._give_up()
-        self._record_failure(err)
-        raise err
+        t, ticket, (raw, obj) = await self._first_success(targets, lambda tt: complete(tt, self.path, self.req.body))
+        usage = sse.usage_of(obj) or (self.prompt_tokens, 0)
+        self._end(t, ticket, ok=True, output_tokens=usage[1])
+        if not t.is_local:
+            self.r.providers[t.name].breaker.on_success()
+        if obj.get("model") != self.req.model:  # a provider's own model name never reaches the client
+            obj["model"] = self.req.model
+            raw = json.dumps(obj).encode()
+        self.r.finish(self.m, Outcome(t.served_by, self.reason, usage[0], usage[1]), time.monotonic() - self.t0)
+        return Response(raw, media_type="application/json", headers=self._headers(t))
 
-    def _record_failure(self, err: GatewayError) -> None:
-        self.r.metrics.errors.labels(self.m.name, str(err.status)).inc()
-        self.r.metrics.requests.labels(self.m.name, "none", str(err.status)).inc()
-
-    # -- streaming --
     async def stream(self, targets: list[Target]) -> Response:
-        for t, k, last in self._tries(targets):
-            if time.monotonic() >= self.deadline:
-                break
-            if k > 0:
-                await self._pause(t, k)
-            if not self._allowed(t):
-                continue
-            ticket = self._begin(t)
-            tt = _with_timeout(t, self.deadline - time.monotonic())
-            try:
-                st = await open_stream(tt, self.path, self.req.body)
-            except UpstreamError as e:
-                self._end(t, ticket, ok=False)
-                self._failed(t, e, k + 1, not last)
-                if not e.retryable:
-                    break
-                continue
-            ttft = time.monotonic() - self.t0
-            if t.is_local:
-                self.m.tracker.on_first_token(ticket)
-            return StreamingResponse(self._relay(st, t, ticket, ttft), media_type="text/event-stream",
-                                     headers={**self._headers(t), "cache-control": "no-cache"})
-        err = self._give_up()
-        self._record_failure(err)
-        raise err
+        t, ticket, st = await self._first_success(targets, lambda tt: open_stream(tt, self.path, self.req.body))
+        ttft = time.monotonic() - self.t0
+        if t.is_local:
+            self.m.tracker.on_first_token(ticket)
+        return StreamingResponse(self._relay(st, t, ticket, ttft), media_type="text/event-stream",
+                                 headers={**self._headers(t), "cache-control": "no-cache"})
 
     async def _relay(self, st: OpenStream, t: Target, ticket, ttft: float) -> AsyncIterator[bytes]:
         usage: tuple[int, int] | None = None
