@@ -153,7 +153,7 @@ def fleet(tmp_path_factory) -> Fleet:
         "models": [
             {"name": "smollm2", "source": "builtin:smollm2",
              "engine": {"max_model_len": 2048, "cpu_kvcache_space_gib": 1, "max_num_seqs": 8},
-             "deployment": {"max_ongoing_requests": 8, "request_timeout_s": 120},
+             "deployment": {"max_ongoing_requests": 8, "request_timeout_s": 120, "stream_batching_interval_ms": 0},
              "cost": {"node_hour_usd": 0.10}},
             {"name": "tiny", "source": "builtin:tiny-random",
              "engine": {"max_model_len": 1024, "cpu_kvcache_space_gib": 1},

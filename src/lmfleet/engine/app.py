@@ -91,6 +91,8 @@ def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
         "log_engine_metrics": True,
         "accelerator_config": {"kind": engine_device(model)},
     }
+    if model.deployment.stream_batching_interval_ms is not None:
+        kwargs["experimental_configs"] = {"stream_batching_interval_ms": model.deployment.stream_batching_interval_ms}
     env = engine_env(model)
     if env:
         kwargs["runtime_env"] = {"env_vars": env}
