@@ -420,27 +420,31 @@ class _Attempt:
         status = 200
         try:
             async with _deadline(self.deadline):
-                async for e in st.events():
-                    if b'"usage":{' in e or b'"usage": {' in e:
-                        obj = sse.event_json(e)
-                        usage = sse.usage_of(obj) or usage
-                        if not self.req.wants_usage and obj is not None:
-                            if not obj.get("choices"):
-                                continue
-                            obj.pop("usage", None)
-                            e = _event(obj)
-                    if b'"model":' in e and t.upstream_model != self.req.model:
-                        obj = sse.event_json(e)
-                        if obj is not None:
-                            obj["model"] = self.req.model
-                            e = _event(obj)
-                    if sse.has_choices(e):
-                        chunks += 1
-                    if sse.is_done(e):
-                        ok = True
-                    elif b'"error"' in e and (obj := sse.event_json(e)) is not None and "error" in obj:
-                        status = 502
-                    yield e
+                async for batch in st.batches():
+                    out = []
+                    for e in batch:
+                        if b'"usage":{' in e or b'"usage": {' in e:
+                            obj = sse.event_json(e)
+                            usage = sse.usage_of(obj) or usage
+                            if not self.req.wants_usage and obj is not None:
+                                if not obj.get("choices"):
+                                    continue
+                                obj.pop("usage", None)
+                                e = _event(obj)
+                        if t.upstream_model != self.req.model and b'"model":' in e:
+                            obj = sse.event_json(e)
+                            if obj is not None:
+                                obj["model"] = self.req.model
+                                e = _event(obj)
+                        if sse.has_choices(e):
+                            chunks += 1
+                        if sse.is_done(e):
+                            ok = True
+                        elif b'"error"' in e and (obj := sse.event_json(e)) is not None and "error" in obj:
+                            status = 502
+                        out.append(e)
+                    if out:  # what arrived together goes out together: one write, no waiting for more
+                        yield b"".join(out)
             if not ok and status == 200:
                 status = 502
                 yield sse.error_event(f"the stream from {t.served_by} ended without [DONE] after {chunks} chunks",

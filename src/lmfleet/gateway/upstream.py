@@ -122,9 +122,10 @@ class OpenStream:
         self._splitter = splitter
         self.head = head
 
-    async def events(self) -> AsyncIterator[bytes]:
-        for e in self.head:
-            yield e
+    async def batches(self) -> AsyncIterator[list[bytes]]:
+        """Complete events, grouped as they arrived (one list per read from the backend)."""
+        if self.head:
+            yield self.head
         idle = self.target.idle_timeout_s
         while True:
             try:
@@ -133,11 +134,12 @@ class OpenStream:
                 break
             except asyncio.TimeoutError:
                 raise httpx.ReadTimeout(f"no data from {self.target.served_by} for {idle:g} s") from None
-            for e in self._splitter.feed(chunk):
-                yield e
+            events = self._splitter.feed(chunk)
+            if events:
+                yield events
         rest = self._splitter.rest()
         if rest.strip():
-            yield rest + b"\n\n"
+            yield [rest + b"\n\n"]
 
     async def aclose(self) -> None:
         await self._resp.aclose()
