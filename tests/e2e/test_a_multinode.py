@@ -337,6 +337,9 @@ def test_worker_loss_loses_no_unstarted_request(netns_fleet: Cluster):
 
     st = netns_fleet.wait_status(lambda s: "10.77.0.2" not in _alive_addresses(s), 60, "w1 to be seen dead")
     print(f"w1 seen dead by `cluster status` {time.monotonic() - t_kill:.1f} s after the kill")
+    # Ray's GCS sees the node die a few seconds before Serve's controller counts its replica as lost
+    st = netns_fleet.wait_status(lambda s: s["state"] == "degraded", 60, "the fleet to be reported degraded")
+    print(f"`cluster status` degraded {time.monotonic() - t_kill:.1f} s after the kill")
     assert st["state"] == "degraded" and any("10.77.0.2" in p for p in st["problems"])
     assert _running_on(st) in (["10.77.0.3"], [])  # the replacement has nowhere to go: head has 1 CPU
     deadline = time.monotonic() + 30  # the gateway polls Serve every health_poll_s

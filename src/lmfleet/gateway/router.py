@@ -334,7 +334,9 @@ class _Attempt:
         for i, t in enumerate(targets):
             last_target = i == len(targets) - 1
             if t.is_local:
-                n = 2  # one retry: Serve routes it to another (or a restarted) replica
+                # retries go through Serve's router to another (or a restarted) replica; with nowhere else
+                # to go, keep trying a little longer so a lost node does not lose requests that had not started
+                n = 4 if last_target else 2
             else:
                 n = 1 + (self.r.providers[t.name].cfg.max_retries if last_target else 0)
             for k in range(n):
@@ -342,7 +344,7 @@ class _Attempt:
 
     async def _pause(self, target: Target, k: int) -> None:
         if target.is_local:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(min(0.5 * 2 ** (k - 1), 4.0))
             return
         cfg = self.r.providers[target.name].cfg.breaker
         wait = backoff_s(k, cfg.backoff_base_s, cfg.backoff_cap_s)
