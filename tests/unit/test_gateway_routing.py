@@ -243,3 +243,31 @@ async def test_models_lists_served_models(tmp_path):
     c = await _client(make_router(tmp_path, ok_local))
     data = (await c.get("/v1/models")).json()
     assert [m["id"] for m in data["data"]] == ["m"]
+
+
+async def test_slow_local_first_token_goes_to_provider_without_marking_local_down(tmp_path):
+    import asyncio
+
+    async def slow_local(req):
+        await asyncio.sleep(5)  # longer than local_first_token_timeout_s=2
+        return stream_response(sse_events("m", ["late"]))
+
+    router = make_router(tmp_path, slow_local, {"p": provider_ok})
+    c = await _client(router)
+    r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
+    assert router.health.is_ready("m")  # a queue, not a dead engine
+
+
+async def test_forced_local_never_times_out_the_first_token(tmp_path):
+    import asyncio
+
+    async def slowish_local(req):
+        await asyncio.sleep(2.5)  # beyond local_first_token_timeout_s=2, within request_timeout_s=10
+        return stream_response(sse_events("m", ["ok"]))
+
+    router = make_router(tmp_path, slowish_local, {"p": provider_ok})
+    c = await _client(router)
+    await c.post("/admin/overflow", json={"mode": "force_off"}, headers={"authorization": "Bearer adm"})
+    r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"

@@ -34,13 +34,14 @@ class UpstreamError(Exception):
     """A backend failed. ``status`` is the upstream HTTP status, or None when no answer came."""
 
     def __init__(self, message: str, *, retryable: bool, status: int | None = None,
-                 retry_after_s: float | None = None, body: bytes | None = None):
+                 retry_after_s: float | None = None, timeout: bool = False):
         super().__init__(message)
         self.message = message
         self.retryable = retryable
         self.status = status
         self.retry_after_s = retry_after_s
-        self.body = body
+        self.timeout = timeout
+        """No answer in time: a busy backend, not necessarily a broken one."""
 
 
 def _default_type(status: int) -> str:

@@ -207,8 +207,9 @@ class Router:
         self.metrics.overflowed.labels(m.name, d.target, reason).inc()
         return d
 
-    def _local_target(self, m: LocalModel) -> Target:
-        has_fallback = bool(providers_for(m.cfg, self.fleet.providers))
+    def _local_target(self, m: LocalModel, has_fallback: bool) -> Target:
+        # give up on a slow local first token only when someone else can take the request; otherwise the
+        # retry would just put it at the back of the same queue
         ftt = m.cfg.overflow.local_first_token_timeout_s if has_fallback else None
         return Target("local", m.name, served_by_local(m.name), m.base_url, m.name, self.local_client,
                       first_token_timeout_s=ftt, total_timeout_s=m.cfg.deployment.request_timeout_s)
@@ -221,15 +222,15 @@ class Router:
 
     def attempt_order(self, m: LocalModel, d: RouteDecision, budget_ok: bool) -> list[Target]:
         """The chosen target first, then fallbacks: other healthy providers, and local if not chosen."""
-        local = self._local_target(m)
         fallbacks = []
         if budget_ok and m.mode is not OverflowMode.FORCE_OFF:
             fallbacks = [self._provider_target(m, self.providers[p.name])
                          for p in providers_for(m.cfg, self.fleet.providers)
                          if p.name != d.target and self.providers[p.name].breaker.allows()]
         if d.is_provider:
-            return [self._provider_target(m, self.providers[d.target]), *fallbacks, local]
-        return [local, *fallbacks]
+            return [self._provider_target(m, self.providers[d.target]), *fallbacks,
+                    self._local_target(m, has_fallback=False)]
+        return [self._local_target(m, has_fallback=bool(fallbacks)), *fallbacks]
 
     # ---- serving ---------------------------------------------------------------------------
     async def handle(self, req: ParsedRequest, path: str) -> Response:
@@ -317,7 +318,8 @@ class _Attempt:
         log.warning("model %s: %s attempt %d failed: %s%s", self.m.name, target.served_by, attempt_no, e.message,
                     " (trying next target)" if more else "")
         if target.is_local:
-            if e.status is None or (e.status >= 500 and e.status != 504):
+            # a dead engine or replica, not a slow queue: only then does the model stop counting as ready
+            if not e.timeout and (e.status is None or (e.status >= 500 and e.status != 504)):
                 self.r.health.mark_failed(self.m.name, f"local engine error: {e.message}")
         else:
             b = self.r.providers[target.name].breaker

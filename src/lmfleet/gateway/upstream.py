@@ -75,8 +75,8 @@ def _error_from_response(target: Target, status: int, raw: bytes, headers: httpx
 
 def _transport_error(target: Target, e: Exception) -> UpstreamError:
     what = "local deployment" if target.is_local else f"provider {target.name}"
-    if isinstance(e, httpx.TimeoutException):
-        return UpstreamError(f"{what} timed out ({type(e).__name__})", retryable=True)
+    if isinstance(e, (httpx.TimeoutException, asyncio.TimeoutError)):
+        return UpstreamError(f"{what} timed out ({type(e).__name__})", retryable=True, timeout=True)
     return UpstreamError(f"{what} unreachable ({type(e).__name__})", retryable=True)
 
 
@@ -178,7 +178,8 @@ async def open_stream(target: Target, path: str, body: dict[str, Any]) -> OpenSt
         if resp is not None:
             await resp.aclose()
         if isinstance(e, asyncio.TimeoutError):
-            raise UpstreamError(f"no first token within {target.first_token_timeout_s:g} s", retryable=True) from None
+            raise UpstreamError(f"no first token within {target.first_token_timeout_s:g} s", retryable=True,
+                                timeout=True) from None
         raise _transport_error(target, e) from None
     except BaseException:
         if resp is not None:
