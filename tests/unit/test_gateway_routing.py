@@ -271,3 +271,22 @@ async def test_forced_local_never_times_out_the_first_token(tmp_path):
     await c.post("/admin/overflow", json={"mode": "force_off"}, headers={"authorization": "Bearer adm"})
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
+
+
+async def test_client_going_away_while_waiting_frees_the_local_slot(tmp_path):
+    import asyncio
+
+    async def never(req):
+        await asyncio.sleep(60)
+        return httpx.Response(200, json=chat_json("m"))
+
+    router = make_router(tmp_path, never)
+    c = await _client(router)
+    task = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
+    await asyncio.sleep(0.3)
+    assert router.models["m"].tracker.in_flight == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.1)
+    assert router.models["m"].tracker.in_flight == 0

@@ -395,6 +395,9 @@ class _Attempt:
                 self._failed(t, e, k + 1, not last)
                 if not e.retryable:
                     break
+            except BaseException:  # the client went away (cancellation): the slot must still be freed
+                self._end(t, ticket, ok=False)
+                raise
         raise self._give_up()
 
     async def unary(self, targets: list[Target]) -> Response:
