@@ -186,7 +186,8 @@ class Router:
             out.append(ProviderCandidate(p.name, pc.model_map, p.breaker.allows(), p.in_flight, pc.max_concurrency))
         return out
 
-    async def route(self, m: LocalModel) -> RouteDecision:
+    async def route(self, m: LocalModel) -> tuple[RouteDecision, str]:
+        """The routing decision for one request of ``m`` and the reason to report for it."""
         signals = m.tracker.snapshot()
         estimate = estimate_wait_ms(signals, m.capacity, cold_service_s=m.cfg.overflow.cold_service_s,
                                     cold_ttft_s=m.cfg.overflow.cold_ttft_s)
@@ -205,7 +206,7 @@ class Router:
         if mode is not m.mode and d.is_provider:
             reason = "local_unavailable"
         self.metrics.overflowed.labels(m.name, d.target, reason).inc()
-        return d
+        return d, reason
 
     def _local_target(self, m: LocalModel, has_fallback: bool) -> Target:
         # give up on a slow local first token only when someone else can take the request; otherwise the
@@ -239,7 +240,7 @@ class Router:
         prompt_tokens = await count_prompt_tokens(m.tokenizer, req.kind, req.body)
         if prompt_tokens is not None and m.max_model_len:
             check_context(prompt_tokens, req.max_tokens, m.max_model_len)
-        d = await self.route(m)
+        d, reason = await self.route(m)
         if d.is_reject:
             retry = max(1, int(d.retry_after_s or 60))
             raise GatewayError(429, f"External spending budget exhausted and the local queue for {m.name!r} is "
@@ -248,7 +249,7 @@ class Router:
         budget = self._budget[1]
         targets = self.attempt_order(m, d, budget_ok=budget is None or budget.allowed)
         deadline = t0 + m.cfg.deployment.request_timeout_s
-        ctx = _Attempt(self, m, req, path, d, prompt_tokens or 0, t0, deadline)
+        ctx = _Attempt(self, m, req, path, d, reason, prompt_tokens or 0, t0, deadline)
         if req.stream:
             return await ctx.stream(targets)
         return await ctx.unary(targets)
@@ -288,10 +289,10 @@ class _Attempt:
     """State of one request across its attempts (targets tried in order)."""
 
     def __init__(self, router: Router, m: LocalModel, req: ParsedRequest, path: str, d: RouteDecision,
-                 prompt_tokens: int, t0: float, deadline: float):
+                 reason: str, prompt_tokens: int, t0: float, deadline: float):
         self.r, self.m, self.req, self.path, self.d = router, m, req, path, d
         self.prompt_tokens, self.t0, self.deadline = prompt_tokens, t0, deadline
-        self.reason = d.reason.value if not (d.is_provider and not router.health.is_ready(m.name)) else "local_unavailable"
+        self.reason = reason
         self.last_error: UpstreamError | None = None
 
     def _headers(self, target: Target) -> dict[str, str]:
