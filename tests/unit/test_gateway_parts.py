@@ -64,6 +64,20 @@ def test_health_board_mark_failed_holds_until_next_poll_window():
     assert not b.is_ready("m") and not b.all_ready()
 
 
+@pytest.mark.parametrize("events,ready", [
+    (["break"], True),
+    (["break", "break"], True),
+    (["break", "break", "break"], False),
+    (["break", "break", "ok", "break", "break"], True),  # a success in between starts the count again
+    (["break", "break", "break", "ok"], True),  # and lifts the mark
+])
+def test_health_board_needs_consecutive_stream_breaks(events, ready):
+    b = HealthBoard({"m": "lmfleet-m"}, fetch=None)
+    for e in events:
+        b.note_stream_break("m", "local stream broke") if e == "break" else b.mark_ok("m")
+    assert b.is_ready("m") is ready
+
+
 @pytest.mark.parametrize("body,param", [
     ({"model": "m", "prompt": 5}, "prompt"),
     ({"model": "m", "prompt": "x", "stop": [1]}, "stop"),

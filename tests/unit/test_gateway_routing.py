@@ -156,6 +156,34 @@ async def test_stream_relays_and_hides_usage_unless_asked(tmp_path):
     assert any('"usage"' in e for e in r.text.split("\n\n"))
 
 
+def _regroup(events: list[bytes], how: str) -> list[bytes]:
+    raw = b"".join(events)
+    if how == "one_read":  # Ray Serve LLM batches stream chunks: a whole answer can arrive in one read
+        return [raw]
+    if how == "bytewise":
+        return [raw[i:i + 1] for i in range(len(raw))]
+    if how == "split_mid_event":
+        return [raw[:7], raw[7:len(raw) // 2], raw[len(raw) // 2:]]
+    return events
+
+
+@pytest.mark.parametrize("how", ["per_event", "one_read", "bytewise", "split_mid_event"])
+async def test_stream_relays_every_event_however_the_reads_group_them(tmp_path, how):
+    words = ["The", " capital", " is", " Paris", "."]
+
+    def local(req):
+        return stream_response(_regroup(sse_events("m", words), how))
+
+    c = await _client(make_router(tmp_path, local))
+    r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]", events
+    deltas = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert "".join(d["choices"][0]["delta"]["content"] for d in deltas if d["choices"]) == "".join(words)
+    assert deltas[-1]["usage"]["completion_tokens"] == len(words)
+    assert "upstream_truncated" not in r.text
+
+
 async def test_stream_failure_before_first_chunk_falls_back(tmp_path):
     def local(req):
         return stream_response([], httpx.ReadError("reset"))

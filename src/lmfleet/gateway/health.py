@@ -56,8 +56,12 @@ class HealthBoard:
         self.models: dict[str, ModelHealth] = {m: ModelHealth(fetch is None, "starting") for m in app_names}
         self.updated_at = 0.0
         self._marks: dict[str, tuple[float, str]] = {}
+        self._broken_streams: dict[str, int] = {}
 
     MARK_HOLD_S = 30.0
+    STREAM_BREAKS_TO_MARK = 3
+    """Consecutive local streams broken mid-way before the model counts as failed (one alone is not a dead
+    engine: a dead engine also fails the next request before its first byte, and that marks at once)."""
 
     def refresh_from(self, apps: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -76,8 +80,15 @@ class HealthBoard:
         cur = self.models.get(model)
         self.models[model] = ModelHealth(False, message, cur.running_replicas if cur else 0)
 
+    def note_stream_break(self, model: str, message: str) -> None:
+        n = self._broken_streams.get(model, 0) + 1
+        self._broken_streams[model] = n
+        if n >= self.STREAM_BREAKS_TO_MARK:
+            self.mark_failed(model, f"{message} ({n} streams in a row)")
+
     def mark_ok(self, model: str) -> None:
         """A local request succeeded: the engine serves, whatever an earlier failure suggested."""
+        self._broken_streams.pop(model, None)
         if self._marks.pop(model, None) is not None:
             cur = self.models.get(model)
             if cur is not None and not cur.ready:

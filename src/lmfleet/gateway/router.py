@@ -475,7 +475,7 @@ class _Attempt:
                 b = self.r.providers[t.name].breaker
                 b.on_success() if status == 200 else b.on_failure()
             elif status == 502:
-                self.r.health.mark_failed(self.m.name, "local stream broke")
+                self.r.health.note_stream_break(self.m.name, "local stream broke")
             self.r.finish(self.m, Outcome(t.served_by, self.reason, inp, out, ttft, status), time.monotonic() - self.t0)
 
 

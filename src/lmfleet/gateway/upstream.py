@@ -162,10 +162,10 @@ async def open_stream(target: Target, path: str, body: dict[str, Any]) -> OpenSt
         splitter = SSESplitter()
         head: list[bytes] = []
         async for chunk in it:
-            for e in splitter.feed(chunk):
-                head.append(e)
-                if has_choices(e) or e.startswith(b"data: [DONE]") or b'"error"' in e:
-                    return OpenStream(target, resp, it, splitter, head)
+            events = splitter.feed(chunk)
+            head.extend(events)  # all of them: one read may carry the first token, the rest and [DONE]
+            if any(has_choices(e) or e.startswith(b"data: [DONE]") or b'"error"' in e for e in events):
+                return OpenStream(target, resp, it, splitter, head)
         return OpenStream(target, resp, it, splitter, head)
 
     try:
