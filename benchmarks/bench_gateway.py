@@ -115,6 +115,11 @@ def main() -> None:
     ap.add_argument("--requests-32", type=int, default=96, help="requests at concurrency 32")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "out" / "bench_gateway.json")
+    ap.add_argument("--batching-ms", type=float, default=None,
+                    help="lmfleet's deployment.stream_batching_interval_ms (default: Ray Serve's, 50 ms)")
+    ap.add_argument("--pin-frontends", action="store_true",
+                    help="start both servers under `taskset -c <last core>`: every process but the engines' compute "
+                    "threads (which vLLM binds to core 0) stays off the engine's core")
     args = ap.parse_args()
 
     from lmfleet.models import resolve_source
@@ -124,19 +129,23 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     gport, sport, vport = free_port(), free_port(), free_port()
     fleet = work / "bench_fleet.yaml"
+    batching = "" if args.batching_ms is None else f", stream_batching_interval_ms: {args.batching_ms:g}"
+    pin = ["taskset", "-c", str((os.cpu_count() or 1) - 1)] if args.pin_frontends else []
+    if pin:
+        os.sched_setaffinity(0, {(os.cpu_count() or 1) - 1})  # the load generator too
     fleet.write_text(f"""gateway: {{port: {gport}, serve_port: {sport}}}
 ledger: {{path: {work / 'bench_ledger.sqlite'}}}
 models:
   - name: smollm2
     source: builtin:smollm2
     engine: {{max_model_len: 2048, cpu_kvcache_space_gib: 2, max_num_seqs: 64}}
-    deployment: {{max_ongoing_requests: 64}}
+    deployment: {{max_ongoing_requests: 64{batching}}}
 """)
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1"}
     procs = []
     try:
         t0 = time.monotonic()
-        lm = subprocess.Popen([sys.executable, "-m", "lmfleet.cli.main", "serve", "-c", str(fleet)], env=env,
+        lm = subprocess.Popen([*pin, sys.executable, "-m", "lmfleet.cli.main", "serve", "-c", str(fleet)], env=env,
                               stdout=(work / "bench_serve.log").open("w"), stderr=subprocess.STDOUT,
                               start_new_session=True)
         procs.append(lm)
@@ -145,7 +154,7 @@ models:
         print(f"lmfleet serve: ready after {startup:.0f} s", flush=True)
         t1 = time.monotonic()
         bare = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+            [*pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
              "smollm2", "--port", str(vport), "--max-model-len", "2048", "--max-num-seqs", "64", "--dtype",
              "bfloat16", "--disable-log-stats"],
             env={**env, "VLLM_CPU_KVCACHE_SPACE": "2"}, stdout=(work / "bench_vllm.log").open("w"),
@@ -179,6 +188,7 @@ models:
             row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
+                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends,
                    "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
                    "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +51,43 @@ def wait(url: str, timeout: float, headers=None) -> None:
     raise TimeoutError(url)
 
 
+class StateSampler:
+    """Records the gateway's /admin/state (the estimator's inputs and output) every second during a run."""
+
+    def __init__(self, url: str, admin: dict, path: Path):
+        self.url, self.admin, self.path = url, admin, path
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(5)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        with self.path.open("w") as f, httpx.Client(timeout=5) as c:
+            while not self._stop.wait(1.0):
+                try:
+                    st = c.get(f"{self.url}/admin/state", headers=self.admin).json()["models"]["smollm2"]
+                except (httpx.HTTPError, KeyError, ValueError):
+                    continue
+                f.write(json.dumps({"t": round(time.monotonic() - t0, 1), **st}) + "\n")
+                f.flush()
+
+
+def state_summary(path: Path) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return "no state samples"
+    tail = rows[-3:]
+    return (f"in_flight max {max(r['in_flight'] for r in rows)}, at end {[r['in_flight'] for r in tail]}; "
+            f"estimate ms at end {[r['queue_estimate_ms'] for r in tail]}; overflowing at end {tail[-1]['overflowing']}")
+
+
 def bench(url: str, out: Path, extra: list[str]) -> dict:
     cmd = [str(BIN / "lmfleet"), "bench", "run", "--url", url, "--model", "smollm2", "--out", str(out),
            "--mix", "short:1:96-160:48-64", "--tokenizer", "builtin:smollm2", "--seed", "1", *extra]
@@ -77,6 +115,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=40)
     ap.add_argument("--capacity-seqs", type=int, default=8, help="local max_num_seqs = max_ongoing_requests")
     ap.add_argument("--threshold-ms", type=float, default=2500)
+    ap.add_argument("--no-pin-cores", dest="pin_cores", action="store_false",
+                    help="leave vLLM's default CPU binding (both engines then compute on core 0)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "src"))
     from lmfleet.models import resolve_source
@@ -86,6 +126,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     pport, gport, sport = free_port(), free_port(), free_port()
     fleet = out / "fleet.yaml"
+    # vLLM's CPU build pins its compute threads to core 0 by default ("auto", keeping the last core for the
+    # API server): two engines on this machine would share core 0 and slow each other ~10x. Give each its own.
+    local_env = ", env: {VLLM_CPU_OMP_THREADS_BIND: '0'}" if args.pin_cores else ""
+    provider_env = {"VLLM_CPU_OMP_THREADS_BIND": "1"} if args.pin_cores else {}
     fleet.write_text(f"""gateway: {{port: {gport}, serve_port: {sport}, admin_key_env: BENCH_ADMIN}}
 ledger: {{path: {out / 'ledger.sqlite'}}}
 providers:
@@ -97,7 +141,7 @@ providers:
 models:
   - name: smollm2
     source: builtin:smollm2
-    engine: {{max_model_len: 2048, cpu_kvcache_space_gib: 1, max_num_seqs: {args.capacity_seqs}}}
+    engine: {{max_model_len: 2048, cpu_kvcache_space_gib: 1, max_num_seqs: {args.capacity_seqs}{local_env}}}
     deployment: {{max_ongoing_requests: {args.capacity_seqs}, request_timeout_s: 600}}
     cost: {{node_hour_usd: 0.10}}
     overflow: {{threshold_ms: {args.threshold_ms}}}
@@ -106,7 +150,7 @@ models:
     procs = [
         subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smol,
                           "--served-model-name", "smollm2-remote", "--port", str(pport), "--max-model-len", "2048",
-                          "--api-key", PKEY, "--disable-log-stats"], env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"},
+                          "--api-key", PKEY, "--disable-log-stats"], env={**env, "VLLM_CPU_KVCACHE_SPACE": "1", **provider_env},
                          stdout=(out / "provider.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True),
         subprocess.Popen([str(BIN / "lmfleet"), "serve", "-c", str(fleet)], env=env,
                          stdout=(out / "serve.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True),
@@ -129,13 +173,17 @@ models:
             for label, m in (("local only", "force_off"), ("local + overflow", "auto")):
                 mode(m)
                 time.sleep(3)
-                rep = bench(url, out / f"x{load}_{m}", ["--rate", f"{load * cap_rps:.3f}", "--duration",
-                                                         str(args.duration), "--warmup", "5"])
+                (out / f"x{load}_{m}").mkdir(parents=True, exist_ok=True)
+                state = out / f"x{load}_{m}" / "state.jsonl"
+                with StateSampler(url, admin, state):
+                    rep = bench(url, out / f"x{load}_{m}", ["--rate", f"{load * cap_rps:.3f}", "--duration",
+                                                             str(args.duration), "--warmup", "5"])
+                    time.sleep(5)  # let the queue drain between runs (sampled: idle local must look idle)
                 results[f"{load}x {label}"] = r = row(rep)
                 print(f"{load}x {label:17s} TTFT p50/p95/p99 {r['ttft_p50']:7.0f}/{r['ttft_p95']:7.0f}/"
                       f"{r['ttft_p99']:7.0f} ms  e2e p99 {r['e2e_p99']:7.0f} ms  errors {r['error_rate']:.1%}  "
                       f"external {r['external_share']:.0%}  $/1M out {r['usd_per_1m_output']}", flush=True)
-                time.sleep(5)  # let the queue drain between runs
+                print(f"    gateway state: {state_summary(state)}", flush=True)
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "capacity_rps": cap_rps,
                    "threshold_ms": args.threshold_ms, "duration_s": args.duration, "results": results}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -46,6 +46,9 @@ BAD = [
     (_with("models.0.engine", {"gpu_memory_utilization": 1.5}), "gpu_memory_utilization", "less than or equal to 1"),
     (_with("models.0.engine", {"quantization": "int3"}), "models[0].engine.quantization", "fp8"),
     (_with("models.0.engine", {"extra_args": {"max_model_len": 5}}), "extra_args", "repeats typed engine options"),
+    (_with("models.0.engine", {"env": {"NCCL DEBUG": "INFO"}}), "models[0].engine.env", "NCCL DEBUG"),
+    (_with("models.0.engine", {"env": {"VLLM_CPU_KVCACHE_SPACE": "4"}}), "models[0].engine.env", "cpu_kvcache_space_gib"),
+    (_with("models.0.engine", {"env": {"NCCL_DEBUG": 3}}), "models[0].engine.env.NCCL_DEBUG", "string"),
     (_with("models.0.deployment", {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}), "autoscaling", "min_replicas=5"),
     (_with("models.0.source", "builtin:nope"), "models[0].source", "unknown builtin model"),
     (_with("models.0.name", "bad name!"), "models[0].name", "pattern"),
@@ -127,3 +130,13 @@ def test_engine_kwargs_passthrough():
     kw = cfg.models[0].engine.vllm_kwargs()
     assert kw["max_model_len"] == 512 and kw["swap_space"] == 2
     assert "cpu_kvcache_space_gib" not in kw and "extra_args" not in kw and "device" not in kw
+
+
+def test_engine_env_reaches_the_engine_processes():
+    from lmfleet.engine.app import engine_env
+
+    cfg = parse_config(_with("models.0.engine", {"cpu_kvcache_space_gib": 2,
+                                                 "env": {"VLLM_CPU_OMP_THREADS_BIND": "1", "NCCL_DEBUG": "WARN"}}))
+    assert "env" not in cfg.models[0].engine.vllm_kwargs()
+    assert engine_env(cfg.models[0]) == {"VLLM_CPU_OMP_THREADS_BIND": "1", "NCCL_DEBUG": "WARN",
+                                         "VLLM_CPU_KVCACHE_SPACE": "2"}

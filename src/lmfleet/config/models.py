@@ -50,6 +50,23 @@ class EngineConfig(_Strict):
     extra_args: dict[str, Any] = Field(
         default_factory=dict, description="Any other vLLM engine argument, passed through unchanged."
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables for the engine's processes (e.g. NCCL_* or VLLM_CPU_OMP_THREADS_BIND). "
+        "Not for secrets: they are shown by `lmfleet config validate` and Ray's dashboard.",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        import re
+
+        bad = sorted(k for k in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k))
+        if bad:
+            raise ValueError(f"environment variable names must match [A-Za-z_][A-Za-z0-9_]*, got {bad}")
+        if "VLLM_CPU_KVCACHE_SPACE" in v:
+            raise ValueError("set the CPU KV cache with engine.cpu_kvcache_space_gib, not env.VLLM_CPU_KVCACHE_SPACE")
+        return v
 
     @field_validator("extra_args")
     @classmethod
@@ -61,7 +78,7 @@ class EngineConfig(_Strict):
 
     def vllm_kwargs(self) -> dict[str, Any]:
         """Engine keyword arguments for vLLM (only the options that were set)."""
-        skip = {"extra_args", "cpu_kvcache_space_gib", "device"}
+        skip = {"extra_args", "cpu_kvcache_space_gib", "device", "env"}
         out = {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
         out.update(self.extra_args)
         return out

@@ -58,7 +58,7 @@ def serve_deployment_options(dep: DeploymentConfig) -> dict[str, Any]:
 
 
 def engine_env(model: ModelConfig) -> dict[str, str]:
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(model.engine.env)
     if model.engine.cpu_kvcache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(model.engine.cpu_kvcache_space_gib)
     return env
