@@ -117,6 +117,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "out" / "bench_gateway.json")
     ap.add_argument("--batching-ms", type=float, default=None,
                     help="lmfleet's deployment.stream_batching_interval_ms (default: Ray Serve's, 50 ms)")
+    ap.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for `lmfleet serve` (Ray/Serve flags, e.g. "
+                    "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1); repeatable")
     ap.add_argument("--pin-frontends", action="store_true",
                     help="start both servers under `taskset -c <last core>`: every process but the engines' compute "
                     "threads (which vLLM binds to core 0) stays off the engine's core")
@@ -145,7 +148,8 @@ models:
     procs = []
     try:
         t0 = time.monotonic()
-        lm = subprocess.Popen([*pin, sys.executable, "-m", "lmfleet.cli.main", "serve", "-c", str(fleet)], env=env,
+        serve_env = {**env, **dict(kv.split("=", 1) for kv in args.serve_env)}
+        lm = subprocess.Popen([*pin, sys.executable, "-m", "lmfleet.cli.main", "serve", "-c", str(fleet)], env=serve_env,
                               stdout=(work / "bench_serve.log").open("w"), stderr=subprocess.STDOUT,
                               start_new_session=True)
         procs.append(lm)
@@ -188,7 +192,7 @@ models:
             row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends,
+                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "serve_env": args.serve_env,
                    "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
                    "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))

@@ -115,6 +115,23 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float, he
     raise RuntimeError(f"{url} not up after {timeout_s:.0f} s:\n{log.read_text()[-5000:]}")
 
 
+_LOGS: list[Path] = []  # the shared fleet's logs, for the failure summary below
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """On failure, show the gateway's own warnings: CI keeps only the tail of the output."""
+    if not terminalreporter.stats.get("failed"):
+        return
+    for log in _LOGS:
+        if not log.exists():
+            continue
+        lines = [ln for ln in log.read_text(errors="replace").splitlines()
+                 if "WARNING" in ln or "ERROR" in ln or "Traceback" in ln]
+        terminalreporter.section(f"warnings in {log.name} (last 15 of {len(lines)})")
+        for ln in lines[-15:]:
+            terminalreporter.write_line(ln[:300])
+
+
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory) -> Fleet:
     from tests.support.fault_proxy import FaultProxy
@@ -163,6 +180,7 @@ def fleet(tmp_path_factory) -> Fleet:
     config_path = work / "fleet.yaml"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     log_path = work / "serve.log"
+    _LOGS.extend([log_path, plog])
     proc = subprocess.Popen([str(VENV_BIN / "lmfleet"), "serve", "-c", str(config_path)], env=env, cwd=work,
                             stdout=log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     f = Fleet(f"http://127.0.0.1:{port}", ["smollm2", "tiny"], ADMIN_KEY, API_KEY, config_path, log_path, proc,

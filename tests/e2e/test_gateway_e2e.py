@@ -106,3 +106,17 @@ def test_metrics_count_requests_tokens_and_ttft(fleet):
     assert 'lmfleet_tokens_total{kind="output",model="smollm2",served_by="local/smollm2"}' in text
     assert 'lmfleet_errors_total{code="400",model="smollm2"}' in text
     assert 'lmfleet_model_ready{model="tiny"} 1.0' in text
+
+
+def test_engine_queue_counts_reach_the_estimator(fleet):
+    """vLLM's running/waiting gauges travel engine -> Ray metrics agent -> gateway poller -> /admin/state."""
+    fleet.client().completions.create(model="tiny", prompt="hello", max_tokens=4)
+    admin = {"authorization": f"Bearer {fleet.admin_key}"}
+    deadline = time.monotonic() + 90  # Ray reports metrics every few seconds; the gateway reads every 5 s
+    while True:
+        models = httpx.get(f"{fleet.base_url}/admin/state", headers=admin).json()["models"]
+        seen = {n: (m["engine_running"], m["engine_waiting"]) for n, m in models.items()}
+        if all(r is not None and w is not None for r, w in seen.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert all(r is not None and r >= 0 and w is not None and w >= 0 for r, w in seen.values()), seen

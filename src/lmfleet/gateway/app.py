@@ -64,13 +64,16 @@ def create_app(router: Router, *, api_keys: set[str], admin_key: str | None,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         router.start()
-        poller = asyncio.create_task(router.health.run())
+        pollers = [asyncio.create_task(router.health.run())]
+        if router.engine_stats is not None:
+            pollers.append(asyncio.create_task(router.engine_stats.run()))
         if on_startup:
             on_startup()
         try:
             yield
         finally:
-            poller.cancel()
+            for p in pollers:
+                p.cancel()
             await router.close()
 
     app = FastAPI(title="lmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -176,9 +179,10 @@ def create_app(router: Router, *, api_keys: set[str], admin_key: str | None,
             out["models"][n] = {
                 "ready": router.health.is_ready(n), "health": router.health.models[n].message,
                 "in_flight": s.in_flight, "capacity": m.capacity, "queued_estimate": max(0, s.in_flight - m.capacity),
-                "queue_estimate_ms": round(m.last_estimate_ms, 1), "threshold_ms": m.threshold_ms,
+                "queue_estimate_ms": round(router.estimate(m, s), 1), "threshold_ms": m.threshold_ms,
                 "mode": m.mode.value, "overflowing": m.hysteresis.overflowing, "drain_rps": s.drain_rps,
                 "recent_ttft_s": s.ttft_s, "base_ttft_s": s.base_ttft_s,
+                "engine_running": s.engine_running, "engine_waiting": s.engine_waiting,
             }
         for n, p in router.providers.items():
             out["providers"][n] = {"breaker": p.breaker.state().value, "in_flight": p.in_flight,

@@ -44,6 +44,7 @@ from lmfleet.overflow import (
     LocalCostMeter,
     OverflowMode,
     ProviderCandidate,
+    QueueSignals,
     RouteDecision,
     backoff_s,
     check_budget,
@@ -129,6 +130,8 @@ class Router:
         self.metrics = metrics
         self.ledger = ledger
         self.uses_gpus = uses_gpus
+        self.engine_stats = None
+        """An :class:`~lmfleet.overflow.engine_stats.EngineStatsPoller`, started with the gateway, or None."""
         self._budget: tuple[float, BudgetStatus | None] = (0.0, None)
         self._ledger_q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._writer: asyncio.Task | None = None
@@ -186,11 +189,14 @@ class Router:
             out.append(ProviderCandidate(p.name, pc.model_map, p.breaker.allows(), p.in_flight, pc.max_concurrency))
         return out
 
+    def estimate(self, m: LocalModel, signals: QueueSignals | None = None) -> float:
+        """Predicted local wait (ms) for a request of ``m`` arriving now."""
+        return estimate_wait_ms(signals or m.tracker.snapshot(), m.capacity,
+                                cold_service_s=m.cfg.overflow.cold_service_s, cold_ttft_s=m.cfg.overflow.cold_ttft_s)
+
     async def route(self, m: LocalModel) -> tuple[RouteDecision, str]:
         """The routing decision for one request of ``m`` and the reason to report for it."""
-        signals = m.tracker.snapshot()
-        estimate = estimate_wait_ms(signals, m.capacity, cold_service_s=m.cfg.overflow.cold_service_s,
-                                    cold_ttft_s=m.cfg.overflow.cold_ttft_s)
+        estimate = self.estimate(m)
         m.last_estimate_ms = estimate
         self.metrics.queue_estimate.labels(m.name).set(estimate)
         candidates = self._candidates(m)

@@ -234,6 +234,11 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, starte
 
     serve_url = f"http://127.0.0.1:{fleet.gateway.serve_port}"
     router = build_router(fleet, apps, serve_url, serve_status_fetcher(), dict(os.environ))
+    if fleet.gateway.engine_metrics_poll_s > 0:
+        from lmfleet.overflow.engine_stats import EngineStatsPoller, ray_metrics_fetcher
+
+        router.engine_stats = EngineStatsPoller({n: m.tracker for n, m in router.models.items()},
+                                                ray_metrics_fetcher(), fleet.gateway.engine_metrics_poll_s)
     admin_key = os.environ.get(fleet.gateway.admin_key_env) if fleet.gateway.admin_key_env else None
     app = create_app(router, api_keys=load_api_keys(fleet.gateway, dict(os.environ)), admin_key=admin_key)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
