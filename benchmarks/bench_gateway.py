@@ -89,9 +89,12 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
             "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall}
 
 
-def wait_http(url: str, timeout_s: float, headers=None) -> float:
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, headers=None) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(map(str, proc.args[:4]))}... exited with {proc.returncode} before {url} "
+                               "answered; see its log next to --out")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=5, headers=headers).status_code == 200:
                 return time.monotonic() - t0
@@ -153,7 +156,7 @@ models:
                               stdout=(work / "bench_serve.log").open("w"), stderr=subprocess.STDOUT,
                               start_new_session=True)
         procs.append(lm)
-        wait_http(f"http://127.0.0.1:{gport}/ready", 1200)
+        wait_http(f"http://127.0.0.1:{gport}/ready", 1200, lm)
         startup = time.monotonic() - t0
         print(f"lmfleet serve: ready after {startup:.0f} s", flush=True)
         t1 = time.monotonic()
@@ -164,7 +167,7 @@ models:
             env={**env, "VLLM_CPU_KVCACHE_SPACE": "2"}, stdout=(work / "bench_vllm.log").open("w"),
             stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(bare)
-        wait_http(f"http://127.0.0.1:{vport}/v1/models", 1200)
+        wait_http(f"http://127.0.0.1:{vport}/v1/models", 1200, bare)
         bare_startup = time.monotonic() - t1
         print(f"bare vLLM: ready after {bare_startup:.0f} s", flush=True)
 

@@ -110,8 +110,13 @@ def deploy(apps: list[Any]) -> None:
 
     from lmfleet.engine.app import bind_app
 
-    serve.run_many([RunTarget(bind_app(a), name=a.app_name, route_prefix=a.route_prefix) for a in apps],
-                   wait_for_applications_running=False)
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        serve.run_many([RunTarget(bind_app(a), name=a.app_name, route_prefix=a.route_prefix) for a in apps],
+                       wait_for_applications_running=False)
+    except (RayServeException, ValueError) as e:  # Ray Serve (LLM) refused the application as built
+        raise DeployError(f"Ray Serve refused the deployment of {[a.name for a in apps]}: {e}") from None
 
 
 def app_states(app_names: list[str]) -> dict[str, tuple[str, str]]:
