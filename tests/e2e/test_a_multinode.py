@@ -298,8 +298,11 @@ def _idle_rate(cluster: Cluster, hosts: list[str], seconds: float = 5.0) -> dict
 
 
 def _assert_all_busy(busy: dict[str, float], idle: dict[str, float]) -> None:
+    # a worker that serves spends >= 0.1 CPU s/s more than at rest (measured 0.18-0.66 more); one that
+    # serves nothing stays within a few hundredths of its idle rate. (2x idle + 0.05 failed a CI run at
+    # busy 0.311 vs idle 0.132 for a worker that did serve.)
     for h, rate in busy.items():
-        assert rate > 2 * idle[h] + 0.05, f"{h} did no work under load: busy={busy} idle={idle} (CPU s/s)"
+        assert rate - idle[h] > 0.1, f"{h} did no work under load: busy={busy} idle={idle} (CPU s/s)"
 
 
 def test_replicas_one_per_worker(netns_fleet: Cluster):

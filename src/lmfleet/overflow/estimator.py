@@ -10,9 +10,8 @@ measured drain rate ``r`` (completions per second while busy), so::
 
     wait = max(0, q) / r + base_ttft
 
-where ``base_ttft`` is the time to first token of a request that did not queue, at the load it will
-find: the median of recent unqueued TTFTs whose in-flight position was in the same band (1, 2-3,
-4-7, ...) as ``min(n + 1, C)`` (see :mod:`lmfleet.overflow.signals`). When the engine reports its own counts, they refine the capacity: with
+where ``base_ttft`` is the prefill time of a request that did not queue (median of recent
+unqueued TTFTs). When the engine reports its own counts, they refine the capacity: with
 ``waiting > 0`` the engine is saturated at ``running`` sequences (KV-cache limits can hold it below
 ``max_num_seqs``), so ``C = min(C, running)``; and the queue is at least ``waiting + 1``.
 

@@ -22,16 +22,10 @@ How the figures are measured
   engine is saturated (the only time the rate matters, see the estimator) busy time is wall time.
   With fewer than ``min_completions`` completions in the window the rate is unknown (``None``).
 * **Recent TTFT**: median of the TTFT samples of the trailing window.
-* **Base TTFT** (time to first token without queueing, at the load the next request would find):
-  TTFTs of requests that found a free slot when they started (their position, in-flight count
-  including themselves, was <= ``capacity``), kept per load band of that position (1, 2-3, 4-7,
-  8-15, ...; the last ``base_samples`` of each). The snapshot gives the median of the band of the next
-  request's position, ``min(in_flight + 1, capacity)``, or of the nearest band with samples (the
-  busier one on a tie). Why per band: on an engine that shares its steps between prefills and
-  decodes, a request admitted beside seven others gets its first token later than one admitted to an
-  idle engine, and a queued request will start at full load; one median over all positions mixes both.
-  Not time-limited: under sustained overload no new unqueued samples arrive, and the last ones known
-  are the best guess.
+* **Base TTFT** (prefill time without queueing): median of the last ``base_samples`` TTFTs of
+  requests that found a free slot when they started (their position, in-flight count including
+  themselves, was <= ``capacity``). It is not time-limited: under sustained overload no new
+  unqueued samples arrive, and the last ones known are the best guess.
 * **Engine stats** (optional): vLLM's ``num_requests_running`` / ``num_requests_waiting`` as last
   set by :meth:`LoadTracker.set_engine_stats`; reported only while younger than ``engine_stats_ttl_s``.
 """
@@ -61,7 +55,7 @@ class QueueSignals:
     ttft_s: float | None
     """Median TTFT of the window (includes queueing); None without samples."""
     base_ttft_s: float | None
-    """Median TTFT of recent unqueued requests at the next request's load band; None without samples."""
+    """Median TTFT of recent requests that did not queue (prefill time); None without samples."""
     completions_in_window: int
     engine_running: int | None = None
     engine_waiting: int | None = None
@@ -102,8 +96,7 @@ class LoadTracker:
         self._in_flight = 0
         self._completions: deque[tuple[float, int]] = deque()  # (finished_at, output_tokens)
         self._ttfts: deque[tuple[float, float]] = deque()  # (observed_at, ttft_s)
-        self._base_samples = base_samples
-        self._base_ttfts: dict[int, deque[float]] = {}  # load band -> unqueued TTFTs
+        self._base_ttfts: deque[float] = deque(maxlen=base_samples)
         self._busy: deque[list[float]] = deque()  # [start, end]; end == inf while busy
         self._engine: tuple[float, int, int] | None = None  # (set_at, running, waiting)
 
@@ -123,8 +116,7 @@ class LoadTracker:
         ttft = max(0.0, t - ticket.started_at) if ttft_s is None else ttft_s
         self._ttfts.append((t, ttft))
         if ticket.position <= self.capacity:
-            band = _band(ticket.position)
-            self._base_ttfts.setdefault(band, deque(maxlen=self._base_samples)).append(ttft)
+            self._base_ttfts.append(ttft)
         return ttft
 
     def on_finish(self, ticket: Ticket, output_tokens: int = 0, ok: bool = True, now: float | None = None) -> None:
@@ -166,20 +158,13 @@ class LoadTracker:
             drain_rps=drain,
             output_tps=tps,
             ttft_s=statistics.median(x for _, x in self._ttfts) if self._ttfts else None,
-            base_ttft_s=self._base_ttft(min(self._in_flight + 1, self.capacity)),
+            base_ttft_s=statistics.median(self._base_ttfts) if self._base_ttfts else None,
             completions_in_window=n,
             engine_running=running,
             engine_waiting=waiting,
         )
 
     # -- internals -------------------------------------------------------------------------------
-
-    def _base_ttft(self, position: int) -> float | None:
-        if not self._base_ttfts:
-            return None
-        want = _band(position)
-        band = min(self._base_ttfts, key=lambda b: (abs(b - want), -b))
-        return statistics.median(self._base_ttfts[band])
 
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else now
@@ -196,8 +181,3 @@ class LoadTracker:
     def _busy_seconds(self, now: float) -> float:
         horizon = now - self.window_s
         return sum(max(0.0, min(end, now) - max(start, horizon)) for start, end in self._busy)
-
-
-def _band(position: int) -> int:
-    """Load band of an in-flight position: 1 -> 0, 2-3 -> 1, 4-7 -> 2, 8-15 -> 3, ..."""
-    return max(1, position).bit_length() - 1
