@@ -32,19 +32,24 @@ def test_completion(fleet):
 
 
 def test_chat_streaming_relays_chunks_as_they_come(fleet):
-    stream = fleet.client().chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=32,
-                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
-    arrivals, text = [], ""
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            arrivals.append(time.monotonic())
-            text += chunk.choices[0].delta.content
-        assert chunk.usage is None  # not asked for, so not sent
-    assert len(arrivals) >= 8 and text.strip()
     # relayed one by one (the test fleet turns Ray Serve LLM's own 50 ms stream batching off): the chunks are
-    # spread over the generation, not delivered in bursts
-    spread = arrivals[-1] - arrivals[0]
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    # spread over the generation, not delivered in bursts. On this 2-core machine a starved engine frontend
+    # can bunch one stream's chunks by itself (seen once in CI: 8 of 26 gaps over 5 ms), so up to three
+    # streams are tried; a relay that batches bunches every one of them.
+    for _ in range(3):
+        stream = fleet.client().chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=32,
+                                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
+        arrivals, text = [], ""
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                arrivals.append(time.monotonic())
+                text += chunk.choices[0].delta.content
+            assert chunk.usage is None  # not asked for, so not sent
+        assert len(arrivals) >= 8 and text.strip()
+        spread = arrivals[-1] - arrivals[0]
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        if spread > 0.1 and sum(g > 0.005 for g in gaps) >= len(gaps) // 2:
+            break
     assert spread > 0.1 and sum(g > 0.005 for g in gaps) >= len(gaps) // 2, gaps
 
 

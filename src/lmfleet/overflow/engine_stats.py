@@ -89,7 +89,10 @@ class EngineStatsPoller:
         self.last: dict[str, EngineQueue] = {}
 
     def apply(self, texts: list[str]) -> None:
-        self.last = merge([parse_engine_queues(t) for t in texts])
+        self.set(merge([parse_engine_queues(t) for t in texts]))
+
+    def set(self, queues: dict[str, EngineQueue]) -> None:
+        self.last = queues
         for model, tracker in self.trackers.items():
             q = self.last.get(model)
             if q is not None:
@@ -99,7 +102,8 @@ class EngineStatsPoller:
         failures = 0
         while True:
             try:
-                self.apply(await asyncio.to_thread(self._fetch))
+                # fetch and parse off the event loop (a Ray metrics page is ~1 MB): only the sums come back
+                self.set(await asyncio.to_thread(lambda: merge([parse_engine_queues(t) for t in self._fetch()])))
                 failures = 0
             except Exception as e:  # the estimate falls back to gateway-side signals; say so once
                 failures += 1
