@@ -163,7 +163,7 @@ models:
         bare = subprocess.Popen(
             [*pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
              "smollm2", "--port", str(vport), "--max-model-len", "2048", "--max-num-seqs", "64", "--dtype",
-             "bfloat16", "--disable-log-stats"],
+             "float32", "--disable-log-stats"],
             env={**env, "VLLM_CPU_KVCACHE_SPACE": "2"}, stdout=(work / "bench_vllm.log").open("w"),
             stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(bare)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from lmfleet.provenance import is_external
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ADMIN = "bench-admin"
@@ -97,7 +99,7 @@ def bench(url: str, out: Path, extra: list[str]) -> dict:
 
 def row(report: dict) -> dict:
     o = report["overall"]
-    ext = sum(p["completed"] for name, p in report["providers"].items() if name.startswith("provider/"))
+    ext = sum(p["completed"] for name, p in report["providers"].items() if is_external(name))
     return {
         "ttft_p50": o["ttft_ms"]["p50"], "ttft_p95": o["ttft_ms"]["p95"], "ttft_p99": o["ttft_ms"]["p99"],
         "e2e_p50": o["e2el_ms"]["p50"], "e2e_p95": o["e2el_ms"]["p95"], "e2e_p99": o["e2el_ms"]["p99"],
@@ -105,7 +107,7 @@ def row(report: dict) -> dict:
         "external_share": ext / o["completed"] if o["completed"] else 0.0,
         "usd_per_1m_output": o.get("usd_per_1m_output"),
         "provider_ttft_p99": next((p["ttft_ms"]["p99"] for n, p in report["providers"].items()
-                                   if n.startswith("provider/")), None),
+                                   if is_external(n)), None),
     }
 
 

@@ -75,6 +75,49 @@ def end_processes(root: subprocess.Popen, seen: dict[int, float], sig=signal.SIG
     psutil.wait_procs(procs, timeout=10)
 
 
+def haproxies(pids: dict[int, float]) -> list[psutil.Process]:
+    """The HAProxy processes (Ray Serve's direct-streaming proxy) among ``pids`` that are still alive."""
+    out = []
+    for p in alive(pids):
+        with contextlib.suppress(psutil.Error):
+            if p.name() == "haproxy":
+                out.append(p)
+    return out
+
+
+def haproxy_node_dirs(procs: list[psutil.Process]) -> set[str]:
+    """``/tmp/haproxy-serve/<node id>/`` folders named on HAProxy command lines (one per Ray node)."""
+    dirs = set()
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            for arg in p.cmdline():
+                if "/haproxy-serve/" in arg:
+                    dirs.add(arg.rsplit("/", 1)[0] + "/")
+    return dirs
+
+
+def haproxies_of(node_dirs: set[str]) -> list[str]:
+    """Every live HAProxy on this machine serving one of ``node_dirs`` (also orphans a reload left behind)."""
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = " ".join(p.info.get("cmdline") or [])
+        if p.info.get("name") == "haproxy" and any(d in cmd for d in node_dirs):
+            out.append(f"{p.pid} {cmd[:120]}")
+    return out
+
+
+def listening(procs: list[psutil.Process]) -> list[tuple[str, int, str]]:
+    """(address, port, process name) of every TCP socket the given processes listen on."""
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            name = p.name()
+            for c in p.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    out.append((c.laddr.ip, c.laddr.port, name))
+    return out
+
+
 @dataclass
 class Fleet:
     base_url: str
@@ -149,7 +192,7 @@ def fleet(tmp_path_factory) -> Fleet:
     plog = work / "provider.log"
     provider = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smol, "--served-model-name",
-         "smollm2-remote", "--host", "127.0.0.1", "--port", str(pport), "--max-model-len", "2048",
+         "smollm2-remote", "--host", "127.0.0.1", "--port", str(pport), "--max-model-len", "2048", "--dtype", "float32",
          "--api-key", PROVIDER_KEY, "--disable-log-stats"],
         env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=plog.open("w"), stderr=subprocess.STDOUT,
         start_new_session=True)

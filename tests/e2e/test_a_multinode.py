@@ -175,6 +175,7 @@ cluster:
   address: "{address}"
 gateway:
   host: "{host}"
+  allow_unauthenticated: true
   port: {port}
   serve_port: 8001
   health_poll_s: 1.0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import openai
 import psutil
 import pytest
@@ -39,7 +38,7 @@ def test_dead_engine_gives_503_and_not_ready_while_others_serve(fleet):
     assert ei.value.status_code == 503, ei.value
     assert "tiny" in ei.value.message and "unavailable" in ei.value.message
     assert time.monotonic() - t0 < 60
-    ready = httpx.get(f"{fleet.base_url}/ready").json()
+    ready = fleet.admin("GET", "/ready").json()
     assert ready["ready"] is False and ready["models"]["tiny"]["ready"] is False
     assert ready["models"]["smollm2"]["ready"] is True
     r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Say hi"}], max_tokens=4)

@@ -4,7 +4,8 @@ Raw asyncio (no framework) so that the server, not the client, is cheap: HTTP/1.
 ``GET /v1/models``, ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed with chunked
 transfer encoding, or not). Each answer has ``min(max_tokens, --max-tokens)`` one-word tokens,
 optional TTFT / inter-token delays, a ``usage`` event when asked, and an optional
-``x-lmfleet-served-by`` header.
+``x-lmfleet-served-by`` header. Paths may carry a route prefix (``/m/v1/chat/completions``), as
+Ray Serve's do, so the server can stand in for a local model too.
 
     python tests/support/fast_openai_server.py --port 18555 [--ttft-ms 0] [--itl-ms 0] [--served-by local/x]
 
@@ -57,6 +58,7 @@ class Handler(asyncio.Protocol):
         t = self.transport
         if t is None or t.is_closing():
             return
+        path = path[path.find("/v1/"):] if "/v1/" in path else path  # any route prefix: /m/v1/... as Serve has
         if method == "GET" and path.startswith("/v1/models"):
             payload = json.dumps({"object": "list", "data": [
                 {"id": self.opts.model, "object": "model", "max_model_len": self.opts.max_model_len}]}).encode()

@@ -144,6 +144,18 @@ def test_timeouts_and_queue(deployment, load, providers, check, status, needle):
     assert r.status is status and needle in r.message, r.message
 
 
+@pytest.mark.parametrize("engine, admitted, status", [
+    ({}, 64, Status.PASS),  # 64 admitted: a burst of 64 runs in one wave
+    ({"max_num_seqs": 8}, 8, Status.WARN),  # vLLM runs 8 at once: 7 more waves queue
+])
+def test_queue_burst_counts_max_num_seqs(engine, admitted, status):
+    """Capacity is replicas x min(max_ongoing_requests, max_num_seqs), the gateway's local_capacity."""
+    cfg, m = model("meta-llama/Meta-Llama-3-8B-Instruct", engine,
+                   {"request_timeout_s": 60, "replicas": 1, "max_ongoing_requests": 64})
+    r = by_check(check_timeouts(m, cfg, None, LoadAssumptions(tpot_ms=50, burst=64), on_gpu=True))["queue.burst"]
+    assert r.status is status and r.data["admitted"] == admitted, r.message
+
+
 def test_tpot_estimate_grows_with_weights():
     _, m = model()
     a = arch("meta-llama/Meta-Llama-3-70B-Instruct")

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from lmfleet.check.cluster import Link, check_gpu_fit, check_inventory, check_links
-from lmfleet.check.gpu_probe import NodeGpus, ReplayNVML, probe_gpus, record_nvml
+from lmfleet.check.gpu_probe import NodeGpus, probe_gpus, record_nvml
 from lmfleet.check.hardware import Hardware, bandwidth_for, gpu_model, node_view_from_probe
 from lmfleet.check.result import Status
 from lmfleet.config import parse_config
+from tests.support.nvml_replay import ReplayNVML
 
 NVML = Path(__file__).parent / "data" / "nvml"
 GiB = 1024**3

@@ -16,10 +16,11 @@ import pytest
 
 from lmfleet.check import planner
 from lmfleet.check.cluster import Link, check_inventory, check_links
-from lmfleet.check.gpu_probe import NodeGpus, ReplayNVML, probe_gpus
+from lmfleet.check.gpu_probe import NodeGpus, probe_gpus
 from lmfleet.check.hardware import Hardware, node_view_from_probe
 from lmfleet.check.result import Status
 from lmfleet.config import parse_config
+from tests.support.nvml_replay import ReplayNVML
 
 ROOT = Path(__file__).resolve().parents[2]
 NVML = Path(__file__).parent / "data" / "nvml"

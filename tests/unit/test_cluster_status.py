@@ -192,3 +192,18 @@ def test_dead_node_is_a_note_once_replicas_are_replaced():
 def test_dead_node_without_deployments_is_degraded():
     st = ClusterStatus(parse_nodes(RAY_NODES, AVAILABLE), [], errors=["Ray Serve is not running"])
     assert st.state == "degraded" and st.notes() == ["Ray Serve is not running"]
+
+
+@pytest.mark.parametrize("recording", ["h200x2_idle", "h200x2_busy", "l4x1", "no_driver"])
+def test_gpu_memory_from_the_shared_probe(recording):
+    """`cluster status` reads the same probe as `lmfleet check`; free is NVML's v1 ``free`` (as nvidia-smi)."""
+    from pathlib import Path
+
+    from lmfleet.check.gpu_probe import probe_gpus
+    from lmfleet.cluster.probe import gpu_memory_from_probe
+    from tests.support.nvml_replay import ReplayNVML
+
+    rec = json.loads((Path(__file__).parent / "data" / "nvml" / f"{recording}.json").read_text())
+    got = gpu_memory_from_probe(probe_gpus(ReplayNVML(rec), hostname="n"))
+    assert [(m.index, m.free_mib, m.total_mib) for m in got] == [
+        (i, g["memory"]["free"] // 2**20, g["memory"]["total"] // 2**20) for i, g in enumerate(rec["gpus"])]

@@ -140,3 +140,14 @@ def test_engine_env_reaches_the_engine_processes():
     assert "env" not in cfg.models[0].engine.vllm_kwargs()
     assert engine_env(cfg.models[0]) == {"VLLM_CPU_OMP_THREADS_BIND": "1", "NCCL_DEBUG": "WARN",
                                          "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+@pytest.mark.parametrize("dtype, expected", [(None, "float32"), ("auto", "float32"), ("bfloat16", "bfloat16")])
+def test_builtin_smollm2_runs_in_float32_unless_told_otherwise(dtype, expected):
+    # vLLM's CPU build picks bfloat16 for "auto" where the CPU supports it, and the converted SmolLM2 then
+    # answers nonsense: the built-in model's own default makes the answer the same on every machine
+    model = {"name": "s", "source": "builtin:smollm2"}
+    if dtype is not None:
+        model["engine"] = {"dtype": dtype}
+    assert parse_config({"models": [model]}).models[0].engine.dtype == expected
+    assert parse_config(MIN).models[0].engine.dtype == "auto"  # other models keep vLLM's choice

@@ -9,15 +9,24 @@ import logging
 import httpx
 import pytest
 
-from lmfleet.gateway.app import create_app
-from tests.unit.gateway_fakes import chat_json, make_router, sse_events, stream_response
+from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 
 
-async def _client(router, api_keys=frozenset(), admin_key="adm"):
-    app = create_app(router, api_keys=set(api_keys), admin_key=admin_key)
-    router.start()
+_STARTED: list = []
+
+
+@pytest.fixture(autouse=True)
+async def _stop_gateways():
+    yield
+    while _STARTED:
+        await _STARTED.pop().state.gateway.close()
+
+
+async def _client(app):
+    app.state.gateway.start()  # what the app's lifespan does (ASGITransport does not run it)
+    _STARTED.append(app)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
 
@@ -37,7 +46,7 @@ def provider_ok(req: httpx.Request) -> httpx.Response:
 
 
 async def test_local_ok_has_provenance_and_plain_body(tmp_path):
-    c = await _client(make_router(tmp_path, ok_local))
+    c = await _client(make_gateway(tmp_path, ok_local))
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200
     assert r.headers["x-lmfleet-served-by"] == "local/m"
@@ -61,7 +70,7 @@ async def test_local_ok_has_provenance_and_plain_body(tmp_path):
     (json.dumps({**CHAT, "max_tokens": 60}).encode(), 400, "max_tokens"),
 ])
 async def test_client_errors_are_openai_shaped_4xx(tmp_path, body, status, param):
-    c = await _client(make_router(tmp_path, ok_local))
+    c = await _client(make_gateway(tmp_path, ok_local))
     r = await c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -72,14 +81,14 @@ async def test_client_errors_are_openai_shaped_4xx(tmp_path, body, status, param
 
 
 async def test_context_error_names_both_numbers(tmp_path):
-    c = await _client(make_router(tmp_path, ok_local, max_model_len=20))
+    c = await _client(make_gateway(tmp_path, ok_local, max_model_len=20))
     r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 15})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and "20" in msg and "15" in msg and "7 in the prompt" in msg
 
 
 async def test_completions_prompt_too_long_without_max_tokens(tmp_path):
-    c = await _client(make_router(tmp_path, ok_local, max_model_len=5))
+    c = await _client(make_gateway(tmp_path, ok_local, max_model_len=5))
     r = await c.post("/v1/completions", json={"model": "m", "prompt": "a b c d e f"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
@@ -88,7 +97,7 @@ async def test_upstream_client_error_passes_through_cleaned(tmp_path):
     def local(req):
         return httpx.Response(400, json={"error": {"message": "Message: bad logit_bias (Request ID: 1), Internal "
                                                               "exception: X", "type": "BadRequestError"}})
-    c = await _client(make_router(tmp_path, local, {"p": provider_ok}))
+    c = await _client(make_gateway(tmp_path, local, {"p": provider_ok}))
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "bad logit_bias"
@@ -99,7 +108,7 @@ async def test_upstream_client_error_passes_through_cleaned(tmp_path):
     lambda req: (_ for _ in ()).throw(httpx.ConnectError("refused")),
 ])
 async def test_local_failure_falls_back_to_provider(tmp_path, failure):
-    c = await _client(make_router(tmp_path, failure, {"p": provider_ok}))
+    c = await _client(make_gateway(tmp_path, failure, {"p": provider_ok}))
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200, r.text
     assert r.headers["x-lmfleet-served-by"] == "provider/p"
@@ -108,12 +117,19 @@ async def test_local_failure_falls_back_to_provider(tmp_path, failure):
 
 
 async def test_local_failure_without_provider_is_503_and_not_ready(tmp_path):
-    router = make_router(tmp_path, lambda req: httpx.Response(500, json={"error": {"message": "engine died"}}))
-    c = await _client(router)
+    import asyncio
+
+    app = make_gateway(tmp_path, lambda req: httpx.Response(500, json={"error": {"message": "engine died"}}))
+    c = await _client(app)
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503
     assert "engine died" in r.json()["error"]["message"]
-    ready = await c.get("/ready")
+    # issue 13: one request's 500s (all its retries) are not evidence against the engine: still ready
+    assert (await c.get("/ready")).status_code == 200
+    # ... several different requests failing within the window are
+    rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=CHAT) for _ in range(3)))
+    assert [r.status_code for r in rs] == [503] * 3
+    ready = await c.get("/ready", headers={"authorization": "Bearer adm"})
     assert ready.status_code == 503 and ready.json()["models"]["m"]["ready"] is False
 
 
@@ -124,17 +140,17 @@ async def test_provider_429_honours_retry_after_and_goes_to_next(tmp_path):
         calls.append("p1")
         return httpx.Response(429, headers={"retry-after": "30"}, json={"error": {"message": "slow down"}})
 
-    router = make_router(tmp_path, ok_local, {"p1": limited, "p2": provider_ok}, ready=False)
-    c = await _client(router)
+    app = make_gateway(tmp_path, ok_local, {"p1": limited, "p2": provider_ok}, ready=False)
+    c = await _client(app)
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p2"
-    assert router.providers["p1"].breaker.retry_after_s() > 25
+    assert app.state.gateway.providers["p1"].breaker.retry_after_s() > 25
     r = await c.post("/v1/chat/completions", json=CHAT)  # p1 is skipped while its Retry-After runs
     assert r.headers["x-lmfleet-served-by"] == "provider/p2" and calls == ["p1"]
 
 
 async def test_forced_overflow_through_admin(tmp_path):
-    c = await _client(make_router(tmp_path, ok_local, {"p": provider_ok}))
+    c = await _client(make_gateway(tmp_path, ok_local, {"p": provider_ok}))
     assert (await c.post("/admin/overflow", json={"model": "m", "mode": "force_on"})).status_code == 401
     r = await c.post("/admin/overflow", json={"model": "m", "mode": "force_on"}, headers={"authorization": "Bearer adm"})
     assert r.status_code == 200
@@ -146,7 +162,7 @@ async def test_forced_overflow_through_admin(tmp_path):
 
 
 async def test_stream_relays_and_hides_usage_unless_asked(tmp_path):
-    c = await _client(make_router(tmp_path, ok_local))
+    c = await _client(make_gateway(tmp_path, ok_local))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
     events = [e for e in r.text.split("\n\n") if e]
@@ -174,7 +190,7 @@ async def test_stream_relays_every_event_however_the_reads_group_them(tmp_path, 
     def local(req):
         return stream_response(_regroup(sse_events("m", words), how))
 
-    c = await _client(make_router(tmp_path, local))
+    c = await _client(make_gateway(tmp_path, local))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})
     events = [e for e in r.text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]", events
@@ -188,7 +204,7 @@ async def test_stream_failure_before_first_chunk_falls_back(tmp_path):
     def local(req):
         return stream_response([], httpx.ReadError("reset"))
 
-    c = await _client(make_router(tmp_path, local, {"p": provider_ok}))
+    c = await _client(make_gateway(tmp_path, local, {"p": provider_ok}))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
     assert "Remote" in r.text
@@ -198,7 +214,7 @@ async def test_stream_failure_after_first_chunk_ends_with_error_event(tmp_path):
     def local(req):
         return stream_response(sse_events("m", ["Par", "is"], usage=False, done=False), httpx.ReadError("reset"))
 
-    c = await _client(make_router(tmp_path, local, {"p": provider_ok}))
+    c = await _client(make_gateway(tmp_path, local, {"p": provider_ok}))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     events = [e for e in r.text.split("\n\n") if e]
     assert '"Par"' in events[0]
@@ -211,14 +227,14 @@ async def test_stream_without_done_is_reported_as_truncated(tmp_path):
     def local(req):
         return stream_response(sse_events("m", ["Par"], usage=False, done=False))
 
-    c = await _client(make_router(tmp_path, local))
+    c = await _client(make_gateway(tmp_path, local))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert "upstream_truncated" in r.text
 
 
 async def test_auth_required_and_key_never_logged(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
-    c = await _client(make_router(tmp_path, ok_local), api_keys={"sk-client-secret"})
+    c = await _client(make_gateway(tmp_path, ok_local, api_keys={"sk-client-secret"}))
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = await c.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer wrong-key-123"})
@@ -235,9 +251,9 @@ async def test_provider_key_not_in_error_bodies_or_logs(tmp_path, caplog):
     def echoing_provider(req):  # a hostile provider that echoes the auth header in its error
         return httpx.Response(500, json={"error": {"message": f"bad key {req.headers['authorization']}"}})
 
-    router = make_router(tmp_path, lambda r: httpx.Response(500, json={"error": {"message": "dead"}}),
+    app = make_gateway(tmp_path, lambda r: httpx.Response(500, json={"error": {"message": "dead"}}),
                          {"p": echoing_provider})
-    c = await _client(router)
+    c = await _client(app)
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503
     assert "sk-secret-provider-key" not in r.text
@@ -245,8 +261,8 @@ async def test_provider_key_not_in_error_bodies_or_logs(tmp_path, caplog):
 
 
 async def test_ledger_and_metrics_add_up(tmp_path):
-    router = make_router(tmp_path, ok_local, {"p": provider_ok})
-    c = await _client(router)
+    app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
+    c = await _client(app)
     for _ in range(3):
         await c.post("/v1/chat/completions", json=CHAT)
     await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
@@ -257,18 +273,18 @@ async def test_ledger_and_metrics_add_up(tmp_path):
     assert by["local/m"]["requests"] == 3 and by["provider/p"]["requests"] == 2
     assert by["provider/p"]["cost_usd"] == pytest.approx(2 * (7 * 1.0 + 2 * 2.0) / 1e6)
     assert usage["total"]["cost_usd"] == pytest.approx(sum(r["cost_usd"] for r in usage["rows"]))
-    text = (await c.get("/metrics")).text
+    text = (await c.get("/metrics", headers={"authorization": "Bearer adm"})).text
     assert 'lmfleet_requests_total{model="m",served_by="provider/p",status="200"} 2.0' in text
     assert "lmfleet_time_to_first_token_seconds" in text
     await c.post("/v1/chat/completions", json={**CHAT, "temperature": 9})
     await c.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
-    text = (await c.get("/metrics")).text
+    text = (await c.get("/metrics", headers={"authorization": "Bearer adm"})).text
     assert 'lmfleet_errors_total{code="400",model="m"} 1.0' in text
     assert 'lmfleet_errors_total{code="404",model="unknown"} 1.0' in text
 
 
 async def test_models_lists_served_models(tmp_path):
-    c = await _client(make_router(tmp_path, ok_local))
+    c = await _client(make_gateway(tmp_path, ok_local))
     data = (await c.get("/v1/models")).json()
     assert [m["id"] for m in data["data"]] == ["m"]
 
@@ -280,11 +296,11 @@ async def test_slow_local_first_token_goes_to_provider_without_marking_local_dow
         await asyncio.sleep(5)  # longer than local_first_token_timeout_s=2
         return stream_response(sse_events("m", ["late"]))
 
-    router = make_router(tmp_path, slow_local, {"p": provider_ok})
-    c = await _client(router)
+    app = make_gateway(tmp_path, slow_local, {"p": provider_ok})
+    c = await _client(app)
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
-    assert router.health.is_ready("m")  # a queue, not a dead engine
+    assert app.state.gateway.health.is_ready("m")  # a queue, not a dead engine
 
 
 async def test_forced_local_never_times_out_the_first_token(tmp_path):
@@ -294,27 +310,135 @@ async def test_forced_local_never_times_out_the_first_token(tmp_path):
         await asyncio.sleep(2.5)  # beyond local_first_token_timeout_s=2, within request_timeout_s=10
         return stream_response(sse_events("m", ["ok"]))
 
-    router = make_router(tmp_path, slowish_local, {"p": provider_ok})
-    c = await _client(router)
+    app = make_gateway(tmp_path, slowish_local, {"p": provider_ok})
+    c = await _client(app)
     await c.post("/admin/overflow", json={"mode": "force_off"}, headers={"authorization": "Bearer adm"})
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
 
 
-async def test_client_going_away_while_waiting_frees_the_local_slot(tmp_path):
+async def test_client_going_away_while_waiting_frees_the_local_slot_and_is_recorded_cancelled(tmp_path):
     import asyncio
 
     async def never(req):
         await asyncio.sleep(60)
         return httpx.Response(200, json=chat_json("m"))
 
-    router = make_router(tmp_path, never)
-    c = await _client(router)
+    app = make_gateway(tmp_path, never)
+    c = await _client(app)
     task = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
     await asyncio.sleep(0.3)
-    assert router.models["m"].tracker.in_flight == 1
+    assert app.state.gateway.models["m"].local.tracker.in_flight == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.sleep(0.1)
-    assert router.models["m"].tracker.in_flight == 0
+    assert app.state.gateway.models["m"].local.tracker.in_flight == 0
+    await app.state.gateway.recorder.flush()
+    rows = app.state.gateway.recorder.ledger.rows()
+    assert [(r["served_by"], r["status"]) for r in rows] == [("local/m", "499")]
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+async def test_provider_refusing_our_key_or_model_is_a_provider_fault_not_the_clients(tmp_path, status, caplog):
+    def refusing(req):
+        return httpx.Response(status, json={"error": {"message": "Incorrect API key sk-secret-provider-key"}})
+
+    app = make_gateway(tmp_path, ok_local, {"p": refusing})
+    c = await _client(app)
+    await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"  # fell back
+    assert r.headers["x-lmfleet-route-reason"] == "fallback_after_provider_error"
+    text = (await c.get("/metrics", headers={"authorization": "Bearer adm"})).text
+    assert 'lmfleet_upstream_failures_total{kind="UpstreamMisconfigured",served_by="provider/p"} 1.0' in text
+    assert app.state.gateway.providers["p"].in_flight == 0
+
+
+async def test_provider_refusal_never_reaches_the_client(tmp_path):
+    def refusing(req):
+        return httpx.Response(401, json={"error": {"message": "Incorrect API key sk-secret-provider-key"}})
+
+    dead = lambda req: httpx.Response(500, json={"error": {"message": "engine died"}})  # noqa: E731
+    c = await _client(make_gateway(tmp_path, dead, {"p": refusing}, ready=False))
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503  # local (tried last) is dead too; never the provider's 401
+    assert "Incorrect API key" not in r.text and "sk-secret" not in r.text
+
+
+@pytest.mark.parametrize("body", [
+    {"id": "x", "model": "p-model", "choices": [], "usage": {"prompt_tokens": "n/a", "completion_tokens": 2}},
+    {"id": "x", "model": "p-model", "choices": [], "usage": ["not", "a", "dict"]},
+    [1, 2, 3],
+])
+async def test_malformed_upstream_answers_never_leak_a_slot(tmp_path, body):
+    app = make_gateway(tmp_path, ok_local, {"p": lambda req: httpx.Response(200, json=body)})
+    c = await _client(app)
+    await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
+    for _ in range(3):
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code < 500 or r.json()["error"]["type"] == "server_error", r.text
+    assert app.state.gateway.providers["p"].in_flight == 0
+    assert app.state.gateway.models["m"].local.tracker.in_flight == 0
+
+
+class _SlowStream(httpx.AsyncByteStream):
+    """One event every 50 ms, for 10 s: a long generation."""
+
+    async def __aiter__(self):
+        import asyncio
+
+        for i in range(200):
+            yield sse_events("m", [f"w{i} "], usage=False, done=False)[0]
+            await asyncio.sleep(0.05)
+
+
+async def _serve(app):
+    """The app on a real uvicorn server (real disconnects), on a free loopback port."""
+    import asyncio
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.02)
+    return server, task, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_over_real_http_cancels_and_frees_the_slot(tmp_path, stream):
+    import asyncio
+
+    async def slow(req):
+        if json.loads(req.content).get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_SlowStream())
+        await asyncio.sleep(10)
+        return httpx.Response(200, json=chat_json("m"))
+
+    app = make_gateway(tmp_path, slow)
+    server, task, url = await _serve(app)
+    try:
+        tracker = app.state.gateway.models["m"].local.tracker
+        async with httpx.AsyncClient(base_url=url) as c:
+            if stream:
+                async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+                    async for _ in r.aiter_raw():
+                        break  # the first chunk, then hang up
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    await c.post("/v1/chat/completions", json=CHAT, timeout=0.5)
+        for _ in range(100):
+            if tracker.in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert tracker.in_flight == 0  # freed long before the 10 s generation would have ended
+        await app.state.gateway.recorder.flush()
+        assert [r["status"] for r in app.state.gateway.recorder.ledger.rows()] == ["499"]
+    finally:
+        server.should_exit = True
+        await task

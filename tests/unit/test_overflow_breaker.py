@@ -13,16 +13,20 @@ C, O, H = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 def play(breaker, script):
     """script: (t, action[, arg]); actions: ok, fail, limit, acquire. Returns (t, action, state, allows)."""
     trace = []
+    ticket = None  # the last admission: "ok" / "cancel" report on it
     for t, action, *arg in script:
         result = None
         if action == "ok":
-            breaker.on_success(now=t)
+            breaker.on_success(now=t, ticket=ticket)
+        elif action == "cancel":
+            breaker.release(ticket)
         elif action == "fail":
             breaker.on_failure(now=t)
         elif action == "limit":
             breaker.on_rate_limited(arg[0] if arg else None, now=t)
         elif action == "acquire":
-            result = breaker.try_acquire(now=t)
+            ticket = breaker.acquire(now=t)
+            result = ticket is not None
         trace.append((result, breaker.state(now=t), breaker.allows(now=t)))
     return trace
 
@@ -51,6 +55,15 @@ def play(breaker, script):
         ([(0, "fail"), (0, "fail"), (0, "fail"), (10, "acquire"), (11, "fail"), (21, "acquire")], (True, H, False)),
         # a probe that never reports is given up after another cooldown
         ([(0, "fail"), (0, "fail"), (0, "fail"), (10, "acquire"), (20, "acquire")], (True, H, False)),
+        # a request admitted while closed that succeeds during half-open (a long stream) does not close it
+        ([(0, "acquire"), (0, "fail"), (0, "fail"), (0, "fail"), (10, "acquire"), (10, "acquire"), (11, "ok")],
+         (None, H, False)),
+        ([(0, "acquire"), (1, "fail"), (1, "fail"), (1, "fail"), (11, "acquire"), (12, "cancel"), (12, "ok")],
+         (None, H, True)),  # a cancelled probe is neutral and frees the probe slot; nothing closes it
+        # ... only the probe's own success does
+        ([(0, "acquire"), (1, "fail"), (1, "fail"), (1, "fail"), (11, "acquire"), (12, "ok")], (None, C, True)),
+        # a probe given up after a cooldown: its late success proves nothing, the new probe's does
+        ([(0, "fail"), (0, "fail"), (0, "fail"), (10, "acquire"), (20, "acquire"), (21, "ok")], (None, C, True)),
         # a straggler success while open does not close it
         ([(0, "fail"), (0, "fail"), (0, "fail"), (5, "ok")], (None, O, False)),
         # 429 blocks for Retry-After without touching health
@@ -88,8 +101,11 @@ def test_from_config_and_clock():
     b.on_failure()
     assert b.state() is O
     t[0] = 5.0
-    assert b.try_acquire() and b.state() is H
-    b.on_success()
+    ticket = b.acquire()
+    assert ticket and b.state() is H
+    b.on_success()  # not the probe's: proves nothing
+    assert b.state() is H
+    b.on_success(ticket=ticket)
     assert b.state() is C
 
 
@@ -140,7 +156,13 @@ def test_backoff_rejects_negative_attempt():
         ("", None),
         ("2", 2.0),
         (" 1.5 ", 1.5),
-        ("-3", 0.0),
+        ("-3", None),  # negative or NaN: ignored
+        ("nan", None),
+        ("inf", 300.0),  # clamped: an infinite block would park the provider for ever
+        ("1e999", 300.0),
+        ("301", 300.0),
+        ("300", 300.0),
+        ("Fri, 31 Dec 9999 23:59:59 GMT", 300.0),
         ("soon", None),
         ("Sun, 29 Nov 2026 12:00:30 GMT", 30.0),
         ("Sun, 29 Nov 2026 11:59:00 GMT", 0.0),
@@ -151,3 +173,11 @@ def test_parse_retry_after(value, expected):
 
     now = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc).timestamp()
     assert parse_retry_after(value, now_epoch=now) == expected
+
+
+@pytest.mark.parametrize("retry_after, blocked_for", [(float("inf"), 300.0), (float("nan"), 1.0), (-5.0, 0.0),
+                                                      (None, 1.0), (12.0, 12.0)])
+def test_rate_limit_block_is_finite(retry_after, blocked_for):
+    b = CircuitBreaker(clock=lambda: 100.0)
+    b.on_rate_limited(retry_after)
+    assert b.retry_after_s() == pytest.approx(blocked_for)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lmfleet.overflow.engine_stats import EngineQueue, EngineStatsPoller, merge, parse_engine_queues
+from lmfleet.gateway.pollers import EngineStatsPoller
+from lmfleet.overflow.engine_stats import EngineQueue, merge, parse_engine_queues
 from lmfleet.overflow.signals import LoadTracker
 
 RAY_PAGE = (Path(__file__).parent / "data" / "ray_node_metrics_vllm.txt").read_text()

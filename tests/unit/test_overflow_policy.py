@@ -55,7 +55,9 @@ def test_decide(estimate, overflowing, mode, enabled, budget, on_exhausted, cand
     d = decide(model="m", estimate_ms=estimate, threshold_ms=2500, hysteresis=0.2,
                state=HysteresisState(overflowing), mode=OverflowMode(mode), enabled=enabled, budget=budget,
                on_exhausted=on_exhausted, candidates=candidates)
-    assert (d.target, d.reason, d.provider_model, d.retry_after_s, d.state.overflowing) == (
+    # model_out: the chosen provider's name for the model (the gateway reads it from that provider's model_map)
+    mapped = next(c.model_map["m"] for c in candidates if c.name == d.target) if d.is_provider else None
+    assert (d.target, d.reason, mapped, d.retry_after_s, d.state.overflowing) == (
         target, reason, model_out, retry, next_over)
 
 
@@ -68,14 +70,13 @@ def test_state_sequence_does_not_flap():
     assert targets == ["local", "a", "a", "a", "a", "local", "local", "a"]
 
 
-@pytest.mark.parametrize("target, local, reject, provider, served_by",
-                         [("local", True, False, False, "local"), ("reject", False, True, False, "reject"),
-                          ("a", False, False, True, "provider/a")])
-def test_decision_helpers(target, local, reject, provider, served_by):
+@pytest.mark.parametrize("target, local, reject, provider",
+                         [("local", True, False, False), ("reject", False, True, False), ("a", False, False, True)])
+def test_decision_helpers(target, local, reject, provider):
     from lmfleet.overflow.policy import RouteDecision
 
     d = RouteDecision(target, Reason.LOCAL_OK, HysteresisState())
-    assert (d.is_local, d.is_reject, d.is_provider, d.served_by) == (local, reject, provider, served_by)
+    assert (d.is_local, d.is_reject, d.is_provider) == (local, reject, provider)
 
 
 def test_reason_values_are_the_documented_strings():

@@ -69,10 +69,6 @@ class LoadPlan:
     seed: int = 0
     timeout: float = 600.0
 
-    @property
-    def pool_size(self) -> int:
-        return self.users or self.max_concurrency or 1000
-
 
 @dataclass
 class LiveStats:

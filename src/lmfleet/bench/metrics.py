@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from lmfleet.bench.loadgen import RequestRecord
+from lmfleet.provenance import is_external
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -116,11 +117,6 @@ def group_by(records: Iterable[RequestRecord], key: Callable[[RequestRecord], st
     for r in records:
         groups[key(r)].append(r)
     return dict(sorted(groups.items()))
-
-
-def is_external(provider: str) -> bool:
-    """Served by an external provider (the gateway labels those ``provider/NAME``)."""
-    return provider.startswith("provider/")
 
 
 def timeseries(records: Sequence[RequestRecord], bin_s: float | None = None) -> dict[str, list[float]]:

@@ -25,6 +25,7 @@ from lmfleet.bench.metrics import SLO, percentile
 from lmfleet.bench.report import build_report, write_csv, write_json
 from lmfleet.bench.workload import (BenchInputError, BenchRequest, PromptSynthesizer, WorkloadMix, check_context,
                                     load_dataset, sample_requests)
+from lmfleet.models.tokenizer import TokenizerLoadError, load_tokenizer
 
 
 @dataclass
@@ -38,6 +39,8 @@ class BenchSpec:
     dataset: Path | None = None
     dataset_api: str = "chat"
     tokenizer: str | None = None
+    trust_remote_code: bool = False
+    """Let the tokenizer run code shipped with it (like ``engine.trust_remote_code``)."""
     api_key: str | None = None
     stream: bool = True
     slo: SLO = SLO()
@@ -100,13 +103,12 @@ def resolve_tokenizer_path(spec_tokenizer: str | None, model: str, info: TargetI
                           "or builtin:NAME")
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
+def load_bench_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:
+    """The tokenizer prompts are synthesized with; ``path`` may be a hub id (bench runs on a client machine)."""
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise BenchInputError(f"cannot load tokenizer {path!r}: {e}") from None
+        return load_tokenizer(path, trust_remote_code=trust_remote_code, local_files_only=False)
+    except TokenizerLoadError as e:
+        raise BenchInputError(f"cannot load tokenizer {path!r}: {e.__cause__ or e}") from None
 
 
 def build_requests(spec: BenchSpec, tokenizer: Any, info: TargetInfo) -> list[BenchRequest]:
@@ -125,7 +127,8 @@ def _tokenizer_context(tokenizer: Any) -> int | None:
 
 def prepare(spec: BenchSpec) -> tuple[list[BenchRequest], TargetInfo]:
     info = probe_target(spec.base_url, spec.model, spec.api_key)
-    tokenizer = load_tokenizer(resolve_tokenizer_path(spec.tokenizer, spec.model, info)) \
+    tokenizer = load_bench_tokenizer(resolve_tokenizer_path(spec.tokenizer, spec.model, info),
+                                     trust_remote_code=spec.trust_remote_code) \
         if (spec.mix is not None or spec.tokenizer) else None
     return build_requests(spec, tokenizer, info), info
 

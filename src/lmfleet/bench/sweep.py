@@ -17,8 +17,8 @@ import httpx
 
 from lmfleet.bench.html import CSS, png_b64, plt
 from lmfleet.bench.loadgen import LoadPlan
-from lmfleet.bench.metrics import is_external
 from lmfleet.bench.workload import BenchInputError
+from lmfleet.provenance import is_external
 
 SWEEP_PARAMS = ("rate", "users", "overflow")
 

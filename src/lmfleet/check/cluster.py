@@ -7,6 +7,7 @@ answers (:func:`check_gpu_fit`, :func:`check_links`) are pure and live beside, t
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,25 +48,44 @@ def _pinned(fn: Any, node_id: str) -> Any:
     return fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False))
 
 
-def gather_inventory(*, busy_fraction: float = DEFAULT_BUSY_FRACTION, timeout_s: float = 60.0) -> Hardware:
-    """Run :func:`probe_gpus` on every alive Ray node (tasks pinned by node id, no GPUs claimed)."""
+def probe_nodes(names: Mapping[str, str], *, busy_fraction: float = DEFAULT_BUSY_FRACTION,
+                timeout_s: float = 60.0) -> dict[str, NodeGpus]:
+    """Run :func:`probe_gpus` on each Ray node (a zero-resource task pinned by node id): node id -> answer.
+
+    ``names``: node id -> the name an answer carries when its node could not answer (task failed, or not
+    done within ``timeout_s`` for all nodes together; such tasks are cancelled). The one NVML path through
+    Ray, for ``lmfleet check`` and ``lmfleet cluster status``.
+    """
     import ray
 
+    if not names:
+        return {}
     probe = ray.remote(num_cpus=0, max_retries=0)(probe_gpus)
-    nodes = _alive_nodes()
-    refs = [_pinned(probe, n["NodeID"]).remote(busy_fraction=busy_fraction) for n in nodes]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    views = []
-    labels = _labels(nodes)
-    for n, ref in zip(nodes, refs):
-        name = labels[n["NodeID"]]
+    refs = {nid: _pinned(probe, nid).remote(busy_fraction=busy_fraction) for nid in names}
+    ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    for ref in pending:
+        ray.cancel(ref, force=True)
+    out: dict[str, NodeGpus] = {}
+    for nid, ref in refs.items():
         if ref in ready:
             try:
-                answer: NodeGpus = ray.get(ref)
+                out[nid] = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a node that cannot run the task is a finding, not a crash
-                answer = NodeGpus(name, error=f"probe task failed: {type(e).__name__}: {e}")
+                out[nid] = NodeGpus(names[nid], error=f"probe task failed: {type(e).__name__}: {e}")
         else:
-            answer = NodeGpus(name, error=f"probe task did not finish within {timeout_s:g} s (node busy?)")
+            out[nid] = NodeGpus(names[nid], error=f"probe task did not finish within {timeout_s:g} s (node busy?)")
+    return out
+
+
+def gather_inventory(*, busy_fraction: float = DEFAULT_BUSY_FRACTION, timeout_s: float = 60.0) -> Hardware:
+    """Run :func:`probe_gpus` on every alive Ray node (tasks pinned by node id, no GPUs claimed)."""
+    nodes = _alive_nodes()
+    labels = _labels(nodes)
+    answers = probe_nodes(labels, busy_fraction=busy_fraction, timeout_s=timeout_s)
+    views = []
+    for n in nodes:
+        name = labels[n["NodeID"]]
+        answer = answers[n["NodeID"]]
         answer = NodeGpus(answer.hostname, answer.gpus, answer.driver_version, answer.error, answer.busy_fraction,
                           {"node_id": n["NodeID"], "ip": n["NodeManagerAddress"], "ray_gpus": n["Resources"].get("GPU", 0),
                            "memory_bytes": n["Resources"].get("memory", 0)})

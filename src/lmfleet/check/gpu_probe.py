@@ -1,8 +1,8 @@
 """What GPUs this machine has and which are free, from NVML. Standalone: no Ray, no lmfleet imports.
 
 Run it directly on a GPU node (``python -m lmfleet.check.gpu_probe`` or by path) to print JSON, or
-call :func:`probe_gpus`. The NVML module is injectable: tests replay recorded answers through
-:class:`ReplayNVML`, and :func:`record_nvml` writes such a recording on a real machine.
+call :func:`probe_gpus`. The NVML module is injectable: :func:`record_nvml` writes a machine's raw
+answers, and the tests replay such recordings (tests/support/nvml_replay.py).
 
 A GPU counts as *free* when at most ``busy_fraction`` of its memory is in use (the driver itself
 holds a few hundred MiB on an idle GPU) — not when no process is listed: containers often cannot
@@ -26,7 +26,7 @@ from typing import Any
 
 DEFAULT_BUSY_FRACTION = 0.05
 
-__all__ = ["GpuInfo", "GpuProcess", "NodeGpus", "ReplayNVML", "probe_gpus", "record_nvml", "DEFAULT_BUSY_FRACTION"]
+__all__ = ["GpuInfo", "GpuProcess", "NodeGpus", "probe_gpus", "record_nvml", "DEFAULT_BUSY_FRACTION"]
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,6 @@ class GpuInfo:
     processes: tuple[GpuProcess, ...] = ()
     free: bool = True
     memory_reserved: int = 0  # held by the driver, never allocatable (0: the driver did not say)
-
-    @property
-    def used_fraction(self) -> float:
-        return self.memory_used / self.memory_total if self.memory_total else 1.0
 
     @property
     def memory_usable(self) -> int:
@@ -160,72 +156,11 @@ def probe_gpus(nvml: Any = None, *, busy_fraction: float = DEFAULT_BUSY_FRACTION
             pass
 
 
-# ---- recording and replaying NVML answers ---------------------------------------------------------------
-
-class _Obj:
-    def __init__(self, **kw: Any):
-        self.__dict__.update(kw)
-
-
-class ReplayNVML:
-    """A stand-in for the ``pynvml`` module that answers from a recording made by :func:`record_nvml`.
-
-    Recording format: ``{"init_error": str|null, "driver_version": str, "gpus": [{"name", "uuid",
-    "memory": {"total", "used", "free"}, "memory_v2": {"total", "reserved", "used", "free"} (optional),
-    "processes": [{"pid", "usedGpuMemory", "name"}]}]}``. Without ``memory_v2`` the v2 call fails, as on
-    drivers that lack it.
-    """
-
-    nvmlMemory_v2 = 0x2000028  # pynvml's value; any value asks for the v2 answer
-
-    class NVMLError(Exception):
-        pass
-
-    def __init__(self, recording: dict[str, Any]):
-        self.rec = recording
-        self._names = {p["pid"]: p.get("name") for g in recording.get("gpus", []) for p in g.get("processes", [])}
-
-    def nvmlInit(self) -> None:
-        if self.rec.get("init_error"):
-            raise self.NVMLError(self.rec["init_error"])
-
-    def nvmlShutdown(self) -> None:
-        pass
-
-    def nvmlSystemGetDriverVersion(self) -> str:
-        return self.rec.get("driver_version", "unknown")
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.rec.get("gpus", []))
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> dict[str, Any]:
-        return self.rec["gpus"][i]
-
-    def nvmlDeviceGetName(self, h: dict[str, Any]) -> str:
-        return h["name"]
-
-    def nvmlDeviceGetUUID(self, h: dict[str, Any]) -> str:
-        return h["uuid"]
-
-    def nvmlDeviceGetMemoryInfo(self, h: dict[str, Any], version: int | None = None) -> _Obj:
-        if not version:
-            return _Obj(**h["memory"])
-        if "memory_v2" not in h:
-            raise self.NVMLError("Function Not Found")
-        return _Obj(**h["memory_v2"])
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h: dict[str, Any]) -> list[_Obj]:
-        return [_Obj(pid=p["pid"], usedGpuMemory=p.get("usedGpuMemory")) for p in h.get("processes", [])]
-
-    def nvmlSystemGetProcessName(self, pid: int) -> str:
-        name = self._names.get(pid)
-        if name is None:
-            raise self.NVMLError("Not Found")
-        return name
-
+# ---- recording NVML answers (tests replay them with tests/support/nvml_replay.py) -------------------------
 
 def record_nvml(nvml: Any = None) -> dict[str, Any]:
-    """Record this machine's raw NVML answers in :class:`ReplayNVML`'s format (for test fixtures)."""
+    """Record this machine's raw NVML answers (for test fixtures; tests/support/nvml_replay.py documents the
+    format and replays it)."""
     if nvml is None:
         import pynvml as nvml
     try:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from lmfleet.check.cluster import Link, check_gpu_fit, check_inventory, check_links, gather_inventory, measure_links
+from lmfleet.check.exposure import check_replica_exposure
 from lmfleet.check.gpu_probe import DEFAULT_BUSY_FRACTION
 from lmfleet.check.hardware import GpuModel, Hardware, bandwidth_for, hardware_from_config
 from lmfleet.check.memory import check_host_memory, check_memory, no_arch
@@ -26,7 +26,7 @@ OWN_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 @dataclass(frozen=True)
 class CheckOptions:
     offline: bool = False
-    address: str | None = None  # Ray address; else cluster.address, RAY_ADDRESS, or a throwaway local Ray
+    address: str | None = None  # --address; else RAY_ADDRESS, cluster.address, or a throwaway local Ray
     gpu: GpuModel | None = None  # assumed GPU when nothing was measured
     busy_fraction: float = DEFAULT_BUSY_FRACTION
     link_payload_mib: int = 64
@@ -36,18 +36,18 @@ class CheckOptions:
 
 @contextlib.contextmanager
 def ray_connection(address: str | None, progress: Callable[[str], None]) -> Iterator[str]:
-    """Join ``address`` (or RAY_ADDRESS), or start a throwaway single-node Ray that is shut down afterwards."""
+    """Join ``address`` (already resolved), or start a throwaway single-node Ray that is shut down afterwards."""
     import ray
 
-    target = address or os.environ.get("RAY_ADDRESS")
-    if target:
-        progress(f"joining Ray at {target}")
-        ray.init(address=target, log_to_driver=False, configure_logging=False)
-        desc = f"Ray cluster at {target}"
+    from lmfleet.cluster.connect import LocalHead, connect
+
+    if address:
+        progress(f"joining Ray at {address}")
+        connect(address, configure_logging=False)
+        desc = f"Ray cluster at {address}"
     else:
         progress("starting a throwaway local Ray for the inventory")
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=512 * 1024**2,
-                 log_to_driver=False, configure_logging=False)
+        connect(None, local=LocalHead(num_cpus=2), configure_logging=False)
         desc = "throwaway local Ray"
     try:
         yield desc
@@ -105,7 +105,9 @@ def run_checks(cfg: FleetConfig, opts: CheckOptions, progress: Callable[[str], N
         results += check_inventory(hw) + check_gpu_fit(cfg, hw)
         links: list[Link] = []
     else:
-        address = opts.address or cfg.cluster.address
+        from lmfleet.cluster.connect import resolve_ray_address
+
+        address = resolve_ray_address(opts.address, cfg)
         with ray_connection(address, progress) as desc:
             progress("asking every node's NVML through Ray tasks")
             hw = gather_inventory(busy_fraction=opts.busy_fraction)
@@ -113,6 +115,9 @@ def run_checks(cfg: FleetConfig, opts: CheckOptions, progress: Callable[[str], N
             links = measure_links(payload_bytes=opts.link_payload_mib * 1024**2) if len(hw.nodes) > 1 else []
         results = [passed("cluster", "cluster", f"{desc}: {hw.note}")]
         results += check_inventory(hw) + check_gpu_fit(cfg, hw) + check_links(cfg, hw, links)
+        results += check_replica_exposure(cfg, [n.probe.extra["ip"] for n in hw.nodes
+                                                if n.probe is not None and n.probe.extra.get("ip")],
+                                          joined=address is not None)
     extra["hardware"] = [{"name": n.name, "gpus": n.gpus_total, "free": n.gpus_free, "gpu": n.gpu_name,
                           "gpu_memory_bytes": n.gpu_memory_bytes, "source": n.source,
                           "probe": n.probe.to_dict() if n.probe else None} for n in hw.nodes]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from lmfleet.check.planner import MemoryPlan
 from lmfleet.check.result import CheckResult, passed, warned
 from lmfleet.config.models import FleetConfig, ModelConfig
+from lmfleet.overflow.estimator import local_capacity
 
 CPU_BANDWIDTH_GBS = 20.0
 GPU_FLOOR_MS, CPU_FLOOR_MS, LOAD_FACTOR = 20.0, 30.0, 2.0
@@ -70,10 +71,13 @@ def check_timeouts(m: ModelConfig, cfg: FleetConfig, plan: MemoryPlan | None, la
                                   f"provider {p.name}: a {max_tokens}-token answer at ~{PROVIDER_TPOT_MS:.0f} ms/token takes "
                                   f"~{remote:.0f} s > timeouts.total_s={p.timeouts.total_s:g}",
                                   f"raise providers[{p.name}].timeouts.total_s to >= {math.ceil(remote * 1.2)}"))
-    # queue: a burst beyond what the running replicas admit waits in Ray Serve's queue
+    # queue: a burst beyond what the running replicas run at once waits (Ray Serve's or vLLM's queue)
     auto = d.autoscaling
     min_rep = d.min_replicas()
-    admit = max(1, min_rep) * d.max_ongoing_requests
+    admit = local_capacity(m)
+    seqs = m.engine.max_num_seqs
+    limit = (f"min(max_ongoing_requests={d.max_ongoing_requests}, max_num_seqs={seqs})" if seqs is not None
+             else f"max_ongoing_requests={d.max_ongoing_requests}")
     burst = la.burst or 2 * admit
     typical = TTFT_ALLOWANCE_S + la.avg_tokens * tpot / 1000
     waves = max(0, math.ceil(burst / admit) - 1)
@@ -89,11 +93,11 @@ def check_timeouts(m: ModelConfig, cfg: FleetConfig, plan: MemoryPlan | None, la
                  if auto else "")
         out.append(warned(
             "queue.burst", subj,
-            f"a burst of {burst} requests against {admit} admitted at once ({min_rep} replica(s) x max_ongoing_requests="
-            f"{d.max_ongoing_requests}) queues {waves} wave(s) of ~{typical:.0f} s ({la.avg_tokens} tokens): the last "
+            f"a burst of {burst} requests against {admit} admitted at once ({min_rep} replica(s) x {limit}) queues "
+            f"{waves} wave(s) of ~{typical:.0f} s ({la.avg_tokens} tokens): the last "
             f"wait ~{wait + typical:.0f} s > request_timeout_s={d.request_timeout_s:g}{extra}",
-            "raise min_replicas or max_ongoing_requests (if the KV cache allows), enable overflow to a provider, "
-            "or raise request_timeout_s", burst=burst, admitted=admit, wait_s=wait))
+            "raise min_replicas, or max_ongoing_requests and max_num_seqs (if the KV cache allows), enable overflow "
+            "to a provider, or raise request_timeout_s", burst=burst, admitted=admit, wait_s=wait))
     else:
         why = " (overflow to providers takes the excess)" if overflow and waves else ""
         out.append(passed("queue.burst", subj,

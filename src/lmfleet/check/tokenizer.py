@@ -10,6 +10,7 @@ from typing import Any
 
 from lmfleet.check.result import CheckResult, failed, passed, skipped, warned
 from lmfleet.config.models import FleetConfig, ModelConfig
+from lmfleet.models.tokenizer import TokenizerLoadError, load_tokenizer
 
 ROUNDTRIP_TEXTS: dict[str, str] = {
     "vietnamese": "Xin chào thế giới! Tiếng Việt có dấu: ắ ặ ổ ữ đ Đ.",
@@ -18,13 +19,6 @@ ROUNDTRIP_TEXTS: dict[str, str] = {
     "code": "def f(x):\n\treturn {'a': x ** 2}  # ok\n",
 }
 _MARK = "LMFLEET_ANSWER_MARK"
-
-
-def load_tokenizer(location: str, *, trust_remote_code: bool = False) -> Any:
-    """Load a tokenizer offline (no hub access): raises whatever transformers raises."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(location, local_files_only=True, trust_remote_code=trust_remote_code)
 
 
 def check_roundtrip(tok: Any, subj: str, texts: dict[str, str] = ROUNDTRIP_TEXTS) -> CheckResult:
@@ -167,9 +161,8 @@ def check_tokenizer(m: ModelConfig, cfg: FleetConfig, location: str | None, *, m
                                                   f"it is checked when the files are on this machine"), *out]
     try:
         tok = load_tokenizer(location, trust_remote_code=m.engine.trust_remote_code)
-    except Exception as e:  # noqa: BLE001
-        return [failed("tokenizer.load", m.name, f"cannot load a tokenizer from {location} offline: {type(e).__name__}: "
-                                                 f"{str(e).splitlines()[0][:200] if str(e) else ''}",
+    except TokenizerLoadError as e:
+        return [failed("tokenizer.load", m.name, str(e),
                        "point `tokenizer:` (or `source:`) at a folder with tokenizer.json/tokenizer_config.json"), *out]
     results = [passed("tokenizer.load", m.name, f"{type(tok).__name__} from {location} ({len(tok)} tokens)")]
     results.append(check_roundtrip(tok, m.name))
@@ -181,7 +174,7 @@ def check_tokenizer(m: ModelConfig, cfg: FleetConfig, location: str | None, *, m
     if reference_location and reference_location != location:
         try:
             reference = load_tokenizer(reference_location, trust_remote_code=m.engine.trust_remote_code)
-        except Exception:  # noqa: BLE001 - the checkpoint's own files may be partial; nothing to compare
+        except TokenizerLoadError:  # the checkpoint's own files may be partial; nothing to compare
             reference = None
         if reference is not None:
             results.append(check_matches_checkpoint(tok, reference, m.name, location, reference_location))

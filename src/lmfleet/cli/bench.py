@@ -17,11 +17,11 @@ from lmfleet.bench.report import check_consistency, render_tables
 from lmfleet.bench.runner import BenchSpec, prepare, run_benchmark, write_outputs
 from lmfleet.bench.sweep import parse_values, plan_for, run_sweep, set_overflow, write_sweep
 from lmfleet.bench.workload import BenchInputError, load_mix, with_weights
+from lmfleet.cli.common import EXIT_USAGE, fail
 
 app = typer.Typer(help="Load-test an OpenAI-compatible endpoint (lmfleet or any other) and report per provider.",
                   no_args_is_help=True)
 
-EXIT_BAD_INPUT = 2
 DEFAULT_MIX = "chat:1:128-512:64-256:chat"
 
 O: dict[str, Any] = {
@@ -46,6 +46,8 @@ O: dict[str, Any] = {
     "dataset_api": typer.Option("chat", "--dataset-api", help="API for dataset prompts: chat or completion."),
     "tokenizer": typer.Option(None, "--tokenizer", help="Tokenizer for prompt synthesis: path, hub id or "
                                                          "builtin:NAME (default: from the server, see docs)."),
+    "trust_remote_code": typer.Option(False, "--trust-remote-code",
+                                      help="Let the tokenizer run code shipped with it (as engine.trust_remote_code)."),
     "seed": typer.Option(0, "--seed", help="Seed for prompts, class choice and arrivals."),
     "no_stream": typer.Option(False, "--no-stream", help="Send non-streaming requests (TTFT = E2E)."),
     "ignore_eos": typer.Option(False, "--ignore-eos", help="vLLM only: generate exactly max_tokens."),
@@ -88,7 +90,7 @@ def build_spec(url: str, model: str, api_key: Optional[str], users: Optional[int
                warmup: float, max_conc: Optional[int], mix: str, weight: list[str], dataset: Optional[Path],
                dataset_api: str, tokenizer: Optional[str], seed: int, no_stream: bool, ignore_eos: bool,
                slo_ttft: Optional[float], slo_tpot: Optional[float], slo_e2el: Optional[float], price: list[str],
-               no_ledger: bool, timeout: float) -> BenchSpec:
+               no_ledger: bool, timeout: float, *, trust_remote_code: bool = False) -> BenchSpec:
     """Flags -> a checked ``BenchSpec``; every inconsistency is a ``BenchInputError``."""
     if users and rate:
         raise BenchInputError("give --users (closed loop) or --rate (open loop), not both")
@@ -105,15 +107,10 @@ def build_spec(url: str, model: str, api_key: Optional[str], users: Optional[int
     if dataset and weight:
         raise BenchInputError("--weight applies to --mix classes, not to --dataset")
     return BenchSpec(base_url=url, model=model, plan=plan, mix=workload, dataset=dataset, dataset_api=dataset_api,
-                     tokenizer=tokenizer, api_key=api_key, stream=not no_stream,
+                     tokenizer=tokenizer, trust_remote_code=trust_remote_code, api_key=api_key, stream=not no_stream,
                      slo=SLO(slo_ttft, slo_tpot, slo_e2el), prices=dict(parse_price(p) for p in price),
                      admin_key=os.environ.get("LMFLEET_ADMIN_KEY"), use_ledger=not no_ledger,
                      extra_body={"ignore_eos": True} if ignore_eos else None)
-
-
-def _bad_input(e: BenchInputError) -> typer.Exit:
-    typer.echo(f"error: {e}", err=True)
-    return typer.Exit(EXIT_BAD_INPUT)
 
 
 @app.command("run")
@@ -123,7 +120,8 @@ def run(url: str = O["url"], model: str = O["model"], api_key: Optional[str] = O
         requests: Optional[int] = O["requests"], warmup: float = O["warmup"],
         max_concurrency: Optional[int] = O["max_conc"], mix: str = O["mix"], weight: list[str] = O["weight"],
         dataset: Optional[Path] = O["dataset"], dataset_api: str = O["dataset_api"],
-        tokenizer: Optional[str] = O["tokenizer"], seed: int = O["seed"], no_stream: bool = O["no_stream"],
+        tokenizer: Optional[str] = O["tokenizer"], trust_remote_code: bool = O["trust_remote_code"],
+        seed: int = O["seed"], no_stream: bool = O["no_stream"],
         ignore_eos: bool = O["ignore_eos"], slo_ttft_ms: Optional[float] = O["slo_ttft"],
         slo_tpot_ms: Optional[float] = O["slo_tpot"], slo_e2el_ms: Optional[float] = O["slo_e2el"],
         price: list[str] = O["price"], no_ledger: bool = O["no_ledger"], timeout: float = O["timeout"],
@@ -133,10 +131,11 @@ def run(url: str = O["url"], model: str = O["model"], api_key: Optional[str] = O
     try:
         spec = build_spec(url, model, api_key, users, rate, burstiness, think_time, ramp_up, duration, requests,
                           warmup, max_concurrency, mix, weight, dataset, dataset_api, tokenizer, seed, no_stream,
-                          ignore_eos, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms, price, no_ledger, timeout)
+                          ignore_eos, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms, price, no_ledger, timeout,
+                          trust_remote_code=trust_remote_code)
         pool, _ = prepare(spec)
     except BenchInputError as e:
-        raise _bad_input(e) from None
+        fail(str(e), EXIT_USAGE)
     report = run_benchmark(spec, pool, console=None if quiet else console)
     render_tables(report, Console())
     paths = write_outputs(report, out)
@@ -154,7 +153,8 @@ def sweep(over: str = typer.Option(..., "--over", help="What to sweep: rate, use
           requests: Optional[int] = O["requests"], warmup: float = O["warmup"],
           max_concurrency: Optional[int] = O["max_conc"], mix: str = O["mix"], weight: list[str] = O["weight"],
           dataset: Optional[Path] = O["dataset"], dataset_api: str = O["dataset_api"],
-          tokenizer: Optional[str] = O["tokenizer"], seed: int = O["seed"], no_stream: bool = O["no_stream"],
+          tokenizer: Optional[str] = O["tokenizer"], trust_remote_code: bool = O["trust_remote_code"],
+          seed: int = O["seed"], no_stream: bool = O["no_stream"],
           ignore_eos: bool = O["ignore_eos"], slo_ttft_ms: Optional[float] = O["slo_ttft"],
           slo_tpot_ms: Optional[float] = O["slo_tpot"], slo_e2el_ms: Optional[float] = O["slo_e2el"],
           price: list[str] = O["price"], no_ledger: bool = O["no_ledger"], timeout: float = O["timeout"],
@@ -169,12 +169,13 @@ def sweep(over: str = typer.Option(..., "--over", help="What to sweep: rate, use
             rate, users = rate or vals[0], None
         spec = build_spec(url, model, api_key, users, rate, burstiness, think_time, ramp_up, duration, requests,
                           warmup, max_concurrency, mix, weight, dataset, dataset_api, tokenizer, seed, no_stream,
-                          ignore_eos, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms, price, no_ledger, timeout)
+                          ignore_eos, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms, price, no_ledger, timeout,
+                          trust_remote_code=trust_remote_code)
         pool, _ = prepare(spec)
         if over == "overflow":  # fail before any load if the admin endpoint is missing or refuses
             set_overflow(url, model, vals[0], spec.admin_key)
     except BenchInputError as e:
-        raise _bad_input(e) from None
+        fail(str(e), EXIT_USAGE)
 
     def step(value: float) -> dict[str, Any]:
         if over == "overflow":
@@ -188,8 +189,7 @@ def sweep(over: str = typer.Option(..., "--over", help="What to sweep: rate, use
     try:
         rows = run_sweep(over, vals, step)
     except BenchInputError as e:  # the admin endpoint refused a later value: load was already sent
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+        fail(str(e), 1)
     paths = write_sweep(rows, over, out)
     typer.echo(json.dumps(rows, indent=2))
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}", err=True)

@@ -14,12 +14,13 @@ from lmfleet.check.report import render_table, to_json
 from lmfleet.check.result import exit_code
 from lmfleet.check.runner import CheckOptions, run_checks
 from lmfleet.check.timeouts import LoadAssumptions
+from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
 
 
 def check(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Fleet file (default: the embedded default fleet)."),
-    address: Optional[str] = typer.Option(None, "--address", help="Ray address to join (else cluster.address, RAY_ADDRESS, "
-                                                                   "or a throwaway local Ray)."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray address to join (else RAY_ADDRESS, then "
+                                                                   "cluster.address, else a throwaway local Ray)."),
     offline: bool = typer.Option(False, "--offline", help="Config-only: no Ray; config, model files, planner, tokenizer."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     warn_ok: bool = typer.Option(False, "--warn-ok", help="Exit 0 when there are warnings but no failures."),
@@ -36,14 +37,11 @@ def check(
                                         help="A GPU with more of its memory in use than this is not free."),
 ) -> None:
     """Check a fleet before deploying it; exit 0 all passed, 1 warnings only (0 with --warn-ok), 2 failures."""
-    from lmfleet.cli.main import load_or_exit
-
     cfg = load_or_exit(config)
     try:
         gpu_spec = gpu_model(gpu) if gpu else None
     except ValueError as e:
-        typer.echo(f"error: --gpu: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(f"--gpu: {e}", EXIT_USAGE)
     opts = CheckOptions(offline=offline, address=address, gpu=gpu_spec, busy_fraction=busy_fraction,
                         load=LoadAssumptions(tpot_ms=tpot_ms, max_tokens=max_tokens, avg_tokens=avg_tokens, burst=burst))
     err = Console(stderr=True)
@@ -51,8 +49,7 @@ def check(
     try:
         results, extra = run_checks(cfg, opts, progress)
     except Exception as e:  # noqa: BLE001 - e.g. Ray unreachable: say so and exit 2, no traceback
-        typer.echo(f"error: lmfleet check could not run: {type(e).__name__}: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(f"lmfleet check could not run: {type(e).__name__}: {e}", EXIT_USAGE)
     code = exit_code(results, warn_ok=warn_ok)
     if as_json:
         sys.stdout.write(to_json(results, exit_code=code, extra=extra) + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from typing import Optional
 import typer
 import yaml
 
+from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
 from lmfleet.cluster.join import JoinError, JoinSpec, auth_env, normalize_head_address, parse_labels, ray_start_argv
 from lmfleet.cluster.launcher import LauncherError, launcher_config, launcher_warnings, manual_commands
 from lmfleet.cluster.placement import nodes_from_cluster, plan_placement
@@ -30,22 +32,11 @@ def _ray_bin() -> str:
     return str(local) if local.exists() else (shutil.which("ray") or "ray")
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
-
-
-def _load(path: Optional[Path]) -> FleetConfig:
-    from lmfleet.cli.main import load_or_exit
-
-    return load_or_exit(path)
-
-
 def _launcher_file(cfg: FleetConfig) -> tuple[Path, str]:
     try:
         text = yaml.safe_dump(launcher_config(cfg.cluster), sort_keys=False)
     except LauncherError as e:
-        raise _fail(str(e)) from None
+        fail(str(e), EXIT_USAGE)
     path = Path(cfg.cluster.launcher_path or f".lmfleet/{cfg.cluster.name}.ray-cluster.yaml").expanduser()
     return path, "# Ray cluster launcher file written by `lmfleet cluster up`; regenerated on every run.\n" + text
 
@@ -59,6 +50,10 @@ def _ensure_token(path_text: str) -> Path:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
         typer.echo(f"created a new Ray auth token in {path} (mode 0600)", err=True)
+    elif path.stat().st_mode & 0o077:
+        typer.echo(f"warning: the Ray auth token {path} is readable by others (mode "
+                   f"{path.stat().st_mode & 0o777:04o}); anyone who reads it can join or drive the cluster. "
+                   f"Run: chmod 600 {shlex.quote(str(path))}", err=True)
     return path
 
 
@@ -78,7 +73,7 @@ def up(
     yes: bool = typer.Option(True, "--yes/--confirm", help="Pass -y to `ray up` (no interactive prompt)."),
 ) -> None:
     """Write Ray's cluster launcher file from `cluster:` and start the cluster with `ray up`."""
-    cfg = _load(config)
+    cfg = load_or_exit(config)
     path, text = _launcher_file(cfg)
     for w in launcher_warnings(cfg.cluster):
         typer.echo(f"warning: {w}", err=True)
@@ -93,7 +88,7 @@ def up(
     path.write_text(text)
     typer.echo(f"wrote {path}")
     argv = [_ray_bin(), "up", str(path), *(["-y"] if yes else [])]
-    typer.echo("running: " + " ".join(argv))
+    typer.echo("running: " + shlex.join(argv))
     raise typer.Exit(subprocess.call(argv))
 
 
@@ -103,11 +98,11 @@ def down(
     print_only: bool = typer.Option(False, "--print", help="Show the command; run nothing."),
 ) -> None:
     """Stop the cluster that `cluster up` started (`ray down` on the same launcher file)."""
-    cfg = _load(config)
+    cfg = load_or_exit(config)
     path, text = _launcher_file(cfg)
     argv = [_ray_bin(), "down", str(path), "-y"]
     if print_only:
-        typer.echo(" ".join(argv))
+        typer.echo(shlex.join(argv))
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -142,9 +137,9 @@ def join(
         )
         env_add = auth_env(os.environ, str(token_file) if token_file else None, auth=not no_auth)
     except JoinError as e:
-        raise _fail(str(e)) from None
+        fail(str(e), EXIT_USAGE)
     argv = ray_start_argv(spec, _ray_bin())
-    shown = " ".join(f"{k}={v}" for k, v in env_add.items()) + " " + " ".join(argv)
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env_add.items()) + " " + shlex.join(argv)
     if print_only:
         typer.echo(shown)
         return
@@ -155,7 +150,7 @@ def join(
 @app.command("status")
 def status(
     config: Optional[Path] = ConfigOpt,
-    address: Optional[str] = typer.Option(None, "--address", help="Ray address (default: cluster.address, RAY_ADDRESS, local)."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray address (else RAY_ADDRESS, then cluster.address, else the cluster on this machine)."),
     gateway: Optional[str] = typer.Option(
         None, "--gateway", help="Gateway base URL for per-model load (default: the fleet file's gateway)."
     ),
@@ -164,8 +159,7 @@ def status(
     """Nodes (alive/dead, CPUs, GPUs and free memory, labels), replicas and where they run, per-model load."""
     from lmfleet.cluster.probe import collect_status
 
-    cfg = _load(config) if config else None
-    ray_address = address or (cfg.cluster.address if cfg else None)
+    cfg = load_or_exit(config) if config else None
     gateway_url = gateway
     admin_key = None
     if cfg is not None:
@@ -173,9 +167,9 @@ def status(
         gateway_url = gateway_url or f"http://{'127.0.0.1' if gw.host in ('0.0.0.0', '::') else gw.host}:{gw.port}"
         admin_key = os.environ.get(gw.admin_key_env) if gw.admin_key_env else None
     try:
-        st = collect_status(ray_address, gateway_url, admin_key)
+        st = collect_status(address, gateway_url, admin_key, fleet=cfg)
     except ConnectionError as e:
-        raise _fail(f"cannot reach the Ray cluster at {ray_address or 'RAY_ADDRESS/auto'}: {e}", 1) from None
+        fail(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS / cluster.address / auto'}: {e}", 1)
     if as_json:
         typer.echo(json.dumps(st.to_dict(), indent=2))
     else:

@@ -6,11 +6,11 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from lmfleet.config import ConfigError, default_config_text, load_config
+from lmfleet.cli.common import load_or_exit
+from lmfleet.config import default_config_text
 from lmfleet.config.models import FleetConfig
 
 # lmfleet runs on air-gapped clusters: no telemetry unless the operator turns it on
@@ -26,25 +26,6 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect and validate fleet files.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-
-EXIT_CONFIG = 2
-
-
-def fail(message: str, code: int = EXIT_CONFIG) -> "typer.Exit":
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
-
-
-def load_or_exit(path: Optional[Path]) -> FleetConfig:
-    """Load a fleet file for a command; a bad file exits with code 2 and the full message."""
-    try:
-        return load_config(path)
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(EXIT_CONFIG) from None
-
-
-ConfigOpt = typer.Option(None, "--config", "-c", help="Fleet file (default: the embedded default fleet).")
 
 
 @config_app.command("validate")

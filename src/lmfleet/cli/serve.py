@@ -8,17 +8,18 @@ from typing import Optional
 
 import typer
 
+from lmfleet.cli.common import load_or_exit
+
 
 def serve(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="Fleet file (default: the embedded default fleet)."),
     host: Optional[str] = typer.Option(None, help="Gateway listen address (default: gateway.host, 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, help="Gateway port (default: gateway.port, 8000)."),
     address: Optional[str] = typer.Option(
-        None, "--address", help="Ray cluster to join (default: RAY_ADDRESS, then cluster.address, else a local head)."),
+        None, "--address", help="Ray cluster to join (else RAY_ADDRESS, then cluster.address, else a local head)."),
     deploy_timeout: float = typer.Option(900.0, help="Seconds to wait for every engine to come up."),
 ) -> None:
     """Deploy every model of the fleet on Ray Serve (vLLM engines) and serve the OpenAI-compatible gateway."""
-    from lmfleet.cli.main import load_or_exit
     from lmfleet.serve.runner import run_serve
 
     fleet = load_or_exit(config)

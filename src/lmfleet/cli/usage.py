@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
 from lmfleet.overflow.ledger import Ledger, UsageRow
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -57,20 +58,16 @@ def usage(
 ) -> None:
     """Show requests, tokens and cost per backend (local model or provider) from the ledger."""
     if ledger is None:
-        from lmfleet.cli.main import load_or_exit
-
         path = Path(load_or_exit(config).ledger.path).expanduser()
     else:
         path = ledger.expanduser()
     if not path.exists():
-        typer.echo(f"error: no ledger at {path} (nothing served yet, or a different ledger.path)", err=True)
-        raise typer.Exit(1)
+        fail(f"no ledger at {path} (nothing served yet, or a different ledger.path)", 1)
     now = time.time()
     try:
         start = parse_since(since, now) if since else None
     except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e), EXIT_USAGE)
     with Ledger(path) as led:
         rows = led.summary(since=start)
         total = led.totals(since=start)

@@ -50,6 +50,11 @@ def start_args(cluster: ClusterConfig, node: NodeConfig, *, head: bool) -> list[
     return args
 
 
+def _shell_join(args: list[str]) -> str:
+    """Arguments as one shell line, each quoted; ``$RAY_HEAD_IP`` (set by Ray's launcher) stays expandable."""
+    return " ".join(a if a.startswith("--address=$RAY_HEAD_IP:") else shlex.quote(a) for a in args)
+
+
 def _common(nodes: list[NodeConfig], attr: str) -> Any:
     """The value all nodes share for ``attr`` (None when they differ or there are none)."""
     values = [getattr(n, attr) for n in nodes]
@@ -65,15 +70,15 @@ def launcher_config(cluster: ClusterConfig) -> dict[str, Any]:
     head = _require_nodes(cluster)
     workers = cluster.workers
     auth_env = "RAY_AUTH_MODE=token"
-    head_start = " ".join([auth_env, "ray start", *start_args(cluster, head, head=True),
+    head_start = " ".join([auth_env, "ray start", _shell_join(start_args(cluster, head, head=True)),
                            "--autoscaling-config=~/ray_bootstrap_config.yaml"])
-    worker_template = NodeConfig(
+    worker_template = NodeConfig.model_construct(  # the shared worker settings (already validated per worker)
         address="$RAY_HEAD_IP",
         gpus=_common(workers, "gpus"),
         num_cpus=_common(workers, "num_cpus"),
         labels=_common(workers, "labels") or {},
     )
-    worker_start = " ".join([auth_env, "ray start", *start_args(cluster, worker_template, head=False)])
+    worker_start = " ".join([auth_env, "ray start", _shell_join(start_args(cluster, worker_template, head=False))])
     return {
         "cluster_name": cluster.name,
         "provider": {
@@ -131,7 +136,7 @@ def manual_commands(cluster: ClusterConfig, *, python_bin: str = "ray") -> list[
     ]
     for w in cluster.workers:
         lines.append(
-            f"ssh -i {_path_arg(cluster.ssh.key_path)} {cluster.ssh.user}@{w.address} "
+            f"ssh -i {_path_arg(cluster.ssh.key_path)} {shlex.quote(f'{cluster.ssh.user}@{w.address}')} "
             f"'mkdir -p ~/.ray && umask 077 && cat > {REMOTE_TOKEN_PATH}' < {REMOTE_TOKEN_PATH}"
         )
     lines.append("# 3. On each worker: join the head (lmfleet cluster join does the same and checks the token).")

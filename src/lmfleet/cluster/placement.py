@@ -123,16 +123,9 @@ def cluster_has_gpus() -> bool:
 
     if ray.is_initialized():
         return ray.cluster_resources().get("GPU", 0) > 0
-    try:
-        import pynvml
+    from lmfleet.check.gpu_probe import probe_gpus
 
-        pynvml.nvmlInit()
-        try:
-            return pynvml.nvmlDeviceGetCount() > 0
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no driver / no library: no GPU
-        return False
+    return bool(probe_gpus().gpus)  # never raises: no driver / no library answers with no GPUs
 
 
 def _replica_cpus(model: ModelConfig) -> float:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import httpx
 
+from lmfleet.check.cluster import probe_nodes
+from lmfleet.check.gpu_probe import NodeGpus
 from lmfleet.cluster.status import (
     ClusterStatus,
     GpuMemory,
@@ -15,56 +16,36 @@ from lmfleet.cluster.status import (
     parse_nodes,
     parse_serve_details,
 )
+from lmfleet.config.models import FleetConfig
 
 SERVE_CONTROLLER = "SERVE_CONTROLLER_ACTOR"
 SERVE_NAMESPACE = "serve"
 
 
-def connect(address: str | None) -> None:
-    """Join the cluster as a quiet driver (token from RAY_AUTH_TOKEN[_PATH] or ~/.ray/auth_token)."""
+def connect(address: str | None, fleet: FleetConfig | None = None) -> None:
+    """Join the cluster as a quiet driver (token from RAY_AUTH_TOKEN[_PATH] or ~/.ray/auth_token).
+
+    Where: ``address`` (--address), RAY_ADDRESS, cluster.address, else the cluster running on this machine.
+    """
     import ray
+
+    from lmfleet.cluster.connect import connect as join, resolve_ray_address
 
     if ray.is_initialized():
         return
-    ray.init(
-        address=address or os.environ.get("RAY_ADDRESS") or "auto",
-        namespace="lmfleet-status",
-        logging_level=logging.ERROR,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    join(resolve_ray_address(address, fleet), namespace="lmfleet-status", logging_level=logging.ERROR,
+         configure_logging=False)
+
+
+def gpu_memory_from_probe(node: NodeGpus) -> list[GpuMemory]:
+    """A node's NVML answer -> the free/total MiB per GPU that ``cluster status`` shows (as nvidia-smi does)."""
+    return [GpuMemory(g.index, (g.memory_usable - g.memory_used) // 2**20, g.memory_total // 2**20) for g in node.gpus]
 
 
 def _gpu_memory_on(node_ids: list[str], timeout_s: float) -> dict[str, list[GpuMemory]]:
-    """NVML readings from each GPU node (a zero-resource task pinned to the node)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    @ray.remote(num_cpus=0)
-    def read() -> list[tuple[int, int, int]]:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            out = []
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
-                out.append((i, mem.free // 2**20, mem.total // 2**20))
-            return out
-        finally:
-            pynvml.nvmlShutdown()
-
-    refs = {
-        nid: read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote()
-        for nid in node_ids
-    }
-    out: dict[str, list[GpuMemory]] = {}
-    for nid, ref in refs.items():
-        try:
-            out[nid] = [GpuMemory(*t) for t in ray.get(ref, timeout=timeout_s)]
-        except Exception:  # noqa: BLE001 - a node without NVML just shows no memory column
-            ray.cancel(ref, force=True)
-    return out
+    """NVML readings from each GPU node; a node without NVML (or that did not answer) shows no memory column."""
+    answers = probe_nodes({nid: nid for nid in node_ids}, timeout_s=timeout_s)
+    return {nid: gpu_memory_from_probe(a) for nid, a in answers.items() if a.error is None}
 
 
 def ray_side(timeout_s: float = 30.0) -> ClusterStatus:
@@ -118,9 +99,10 @@ def gateway_side(
 
 
 def collect_status(
-    address: str | None, gateway_url: str | None = None, admin_key: str | None = None
+    address: str | None, gateway_url: str | None = None, admin_key: str | None = None,
+    fleet: FleetConfig | None = None,
 ) -> ClusterStatus:
-    connect(address)
+    connect(address, fleet)
     status = ray_side()
     gateway_side(status, gateway_url, admin_key)
     return status

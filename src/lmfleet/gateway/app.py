@@ -1,87 +1,128 @@
-"""The gateway's HTTP surface: OpenAI routes, health, metrics and the admin API.
+"""The gateway's HTTP surface: the OpenAI routes, authentication and the one place errors become HTTP.
 
-Errors of every kind are turned into OpenAI-shaped bodies here and only here.
+A request, top-down::
+
+    route handler  ->  validate (400/404)  ->  router.route (ordered backends)  ->  RequestRun (tries them,
+    relays, records the outcome)  ->  backend (HTTP to Serve or a provider)
+
+Operator routes (/health, /ready, /metrics, /admin/*) live in :mod:`lmfleet.gateway.ops`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmfleet.config.models import GatewayConfig
+from lmfleet.gateway.access import bearer, host_allowed, key_ok, operator_may_see, read_json
 from lmfleet.gateway.errors import GatewayError, error_body
-from lmfleet.gateway.router import Router
-from lmfleet.gateway.validation import parse_json, validate_request
-from lmfleet.overflow import OverflowMode
+from lmfleet.gateway.ops import ops_routes
+from lmfleet.gateway.run import CANCELLED, RequestRun
+from lmfleet.gateway.service import Gateway
+from lmfleet.gateway.validation import Kind, check_content_parts, check_prompt_count, check_size, validate_request
 
 log = logging.getLogger("lmfleet.gateway")
 
 
-def load_api_keys(cfg: GatewayConfig, environ: dict[str, str]) -> set[str]:
-    """Client API keys from the configured env var and/or file. Empty set: no auth."""
-    keys: set[str] = set()
-    if cfg.api_keys_env:
-        keys |= {k.strip() for k in environ.get(cfg.api_keys_env, "").split(",") if k.strip()}
-    if cfg.api_keys_file:
-        path = Path(cfg.api_keys_file).expanduser()
-        keys |= {line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")}
-    return keys
+def _auth_error(message: str, status: int, type: str, code: str | None = None, **headers: str) -> JSONResponse:
+    return JSONResponse(error_body(message, type, code=code), status_code=status, headers=headers or None)
 
 
-def _bearer(request: Request) -> str | None:
-    h = request.headers.get("authorization", "")
-    if h[:7].lower() == "bearer ":
-        return h[7:].strip()
-    return None
+class AuthMiddleware:
+    """The trusted Host names on every route but /health; client keys on /v1/*, the admin key on /admin/*, a
+    key on /metrics (unless ``gateway.metrics_public``). Plain ASGI: Starlette's ``BaseHTTPMiddleware`` would
+    re-wrap every streamed chunk of every answer."""
+
+    def __init__(self, app: ASGIApp, gw: Gateway, trusted_hosts: frozenset[str] | None = None,
+                 metrics_public: bool = False):
+        self.app = app
+        self.gw = gw
+        self.trusted_hosts = trusted_hosts
+        self.metrics_public = metrics_public
+
+    def _refusal(self, scope: Scope) -> JSONResponse | None:
+        path: str = scope["path"]
+        gw = self.gw
+        headers = Headers(scope=scope)
+        if path != "/health" and not host_allowed(headers.get("host"), self.trusted_hosts):
+            return _auth_error("Invalid Host header: this gateway does not answer to that name (see "
+                               "gateway.allowed_hosts).", 400, "invalid_request_error", "invalid_host")
+        if path.startswith("/v1/") and gw.api_keys and not key_ok(bearer(headers), gw.api_keys):
+            return _auth_error("Invalid or missing API key. Send `Authorization: Bearer <key>`.", 401,
+                               "authentication_error", "invalid_api_key", **{"www-authenticate": "Bearer"})
+        if path.startswith("/admin/"):
+            if not gw.admin_key:
+                return _auth_error("The admin API is disabled: set the admin key environment variable "
+                                   "(gateway.admin_key_env) and restart.", 403, "permission_error")
+            if not key_ok(bearer(headers), {gw.admin_key}):
+                return _auth_error("Invalid or missing admin key.", 401, "authentication_error", "invalid_api_key")
+        if path == "/metrics" and not self.metrics_public and not operator_may_see(headers, gw.api_keys, gw.admin_key):
+            return _auth_error("/metrics needs the admin key or a client key (or gateway.metrics_public: true).",
+                               401, "authentication_error", "invalid_api_key", **{"www-authenticate": "Bearer"})
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (refusal := self._refusal(scope)) is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
-def _key_ok(given: str | None, keys: set[str]) -> bool:
-    if not given:
-        return False
-    return any(hmac.compare_digest(given.encode(), k.encode()) for k in keys)
+async def _unless_client_leaves(request: Request, answer: Awaitable[Response]) -> Response:
+    """Await ``answer``, but cancel it (and with it the upstream call) when the client disconnects first:
+    nobody would read what the backend goes on generating. Once a stream has begun, Starlette's
+    StreamingResponse does the same for the relay."""
+    task = asyncio.ensure_future(answer)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return Response(status_code=CANCELLED)  # nobody is there to read it
+    return task.result()
 
 
-def _error(e: GatewayError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
-def create_app(router: Router, *, api_keys: set[str], admin_key: str | None,
-               on_startup: Callable[[], Any] | None = None) -> FastAPI:
-    """Build the gateway app around a :class:`Router` (which holds the fleet and its backends)."""
+def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
+               trusted_hosts: frozenset[str] | None = None) -> FastAPI:
+    """The ASGI app around an assembled :class:`Gateway` (use :func:`lmfleet.gateway.build_gateway`).
+    ``trusted_hosts``: the Host names it answers (None: any)."""
+    cfg = cfg or GatewayConfig()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        router.start()
-        pollers = [asyncio.create_task(router.health.run())]
-        if router.engine_stats is not None:
-            pollers.append(asyncio.create_task(router.engine_stats.run()))
-        if on_startup:
-            on_startup()
+        gw.start()
         try:
             yield
         finally:
-            for p in pollers:
-                p.cancel()
-            await router.close()
+            await gw.close()
 
-    app = FastAPI(title="lmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.router = router
+    app = FastAPI(title="lmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if cfg.openapi else None)
+    app.state.gateway = gw
 
+    # ---- errors: every kind becomes an OpenAI-shaped body here -----------------------------------
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, e: GatewayError) -> JSONResponse:
-        return _error(e)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -100,121 +141,47 @@ def create_app(router: Router, *, api_keys: set[str], admin_key: str | None,
         log.exception("unexpected error on %s", request.url.path)
         return JSONResponse(error_body("Internal gateway error.", "server_error"), status_code=500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/") and api_keys and not _key_ok(_bearer(request), api_keys):
-            return JSONResponse(error_body("Invalid or missing API key. Send `Authorization: Bearer <key>`.",
-                                           "authentication_error", code="invalid_api_key"), status_code=401,
-                                headers={"www-authenticate": "Bearer"})
-        if path.startswith("/admin/"):
-            if not admin_key:
-                return JSONResponse(error_body("The admin API is disabled: set the admin key environment variable "
-                                               "(gateway.admin_key_env) and restart.", "permission_error"),
-                                    status_code=403)
-            if not _key_ok(_bearer(request), {admin_key}):
-                return JSONResponse(error_body("Invalid or missing admin key.", "authentication_error",
-                                               code="invalid_api_key"), status_code=401)
-        return await call_next(request)
+    app.add_middleware(AuthMiddleware, gw=gw, trusted_hosts=trusted_hosts, metrics_public=cfg.metrics_public)
 
-    async def _openai(request: Request, kind: str, path: str) -> Response:
-        model = None
+    # ---- the OpenAI routes -------------------------------------------------------------------
+    async def _openai(request: Request, kind: Kind, path: str) -> Response:
+        t0 = time.monotonic()
+        model_name = None
         try:
-            body = parse_json(await request.body())
-            model = body.get("model") if isinstance(body.get("model"), str) else None
-            return await router.handle(validate_request(kind, body), path)  # type: ignore[arg-type]
+            body = await read_json(request, cfg.max_body_bytes, cfg.body_timeout_s)
+            model_name = body.get("model") if isinstance(body.get("model"), str) else None
+            req = validate_request(kind, body)
+            if kind == "completion":
+                check_prompt_count(body, cfg.max_prompts)
+            model = gw.router.model_or_404(req.model)
+            if kind == "chat":
+                check_content_parts(body["messages"], model.app.cfg.content_parts)
+            check_size(req, model.app.max_model_len)
+            prompt_tokens = await model.prompt_tokens(req)
+            plan = await gw.router.route(model)
+            run = RequestRun(model, req, path, plan, prompt_tokens or 0, t0, gw.recorder)
+            return await _unless_client_leaves(request, run.stream() if req.stream else run.unary())
         except GatewayError as e:
-            router.count_error(model, e.status)
+            gw.recorder.count_error(model_name, e.status)
             raise
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await _openai(request, "chat", "/chat/completions")
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _openai(request, "completion", "/completions")
+
+    # plain Starlette routes: FastAPI's dependency machinery costs CPU on every request and these take none
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         now = int(time.time())
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now, "owned_by": "lmfleet", "max_model_len": m.max_model_len,
-             "ready": router.health.is_ready(name)}
-            for name, m in router.models.items()]}
+            {"id": name, "object": "model", "created": now, "owned_by": "lmfleet",
+             "max_model_len": m.app.max_model_len, "ready": gw.health.is_ready(name)}
+            for name, m in gw.models.items()]}
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        models = {n: {"ready": h.ready, "degraded": h.degraded, "message": h.message,
-                      "running_replicas": h.running_replicas}
-                  for n, h in router.health.models.items()}
-        for n, h in router.health.models.items():
-            router.metrics.model_ready.labels(n).set(1 if h.ready else 0)
-        ok = router.health.all_ready()
-        degraded = any(h.degraded for h in router.health.models.values())
-        # 200 while every model can serve (a degraded fleet still takes traffic), 503 otherwise
-        return JSONResponse({"ready": ok, "degraded": degraded, "models": models}, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        for n, h in router.health.models.items():
-            router.metrics.model_ready.labels(n).set(1 if h.ready else 0)
-        for n, m in router.models.items():
-            router.metrics.in_flight.labels(n, f"local/{n}").set(m.tracker.in_flight)
-        for p in router.providers.values():
-            for n in p.cfg.model_map:
-                router.metrics.in_flight.labels(n, f"provider/{p.name}").set(p.in_flight)
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    # ---- admin -------------------------------------------------------------------------------
-    @app.get("/admin/state")
-    async def admin_state() -> dict[str, Any]:
-        out: dict[str, Any] = {"models": {}, "providers": {}}
-        for n, m in router.models.items():
-            s = m.tracker.snapshot()
-            out["models"][n] = {
-                "ready": router.health.is_ready(n), "health": router.health.models[n].message,
-                "in_flight": s.in_flight, "capacity": m.capacity, "queued_estimate": max(0, s.in_flight - m.capacity),
-                "queue_estimate_ms": round(router.estimate(m, s), 1), "threshold_ms": m.threshold_ms,
-                "mode": m.mode.value, "overflowing": m.hysteresis.overflowing, "drain_rps": s.drain_rps,
-                "recent_ttft_s": s.ttft_s, "base_ttft_s": s.base_ttft_s,
-                "engine_running": s.engine_running, "engine_waiting": s.engine_waiting,
-            }
-        for n, p in router.providers.items():
-            out["providers"][n] = {"breaker": p.breaker.state().value, "in_flight": p.in_flight,
-                                   "retry_after_s": round(p.breaker.retry_after_s(), 2)}
-        return out
-
-    @app.post("/admin/overflow")
-    async def admin_overflow(request: Request) -> dict[str, Any]:
-        body = parse_json(await request.body())
-        name = body.get("model")
-        targets = list(router.models.values()) if name in (None, "*") else [router.model_or_404(str(name))]
-        mode = body.get("mode")
-        if mode is not None and mode not in {m.value for m in OverflowMode}:
-            raise GatewayError(400, f"mode must be one of {[m.value for m in OverflowMode]}, got {mode!r}", param="mode")
-        thr = body.get("threshold_ms")
-        if thr is not None and (isinstance(thr, bool) or not isinstance(thr, (int, float)) or thr <= 0):
-            raise GatewayError(400, f"threshold_ms must be a positive number, got {thr!r}", param="threshold_ms")
-        for m in targets:
-            if mode is not None:
-                m.mode = OverflowMode(mode)
-            if thr is not None:
-                m.threshold_ms = float(thr)
-        log.info("admin: overflow for %s set to mode=%s threshold_ms=%s", [m.name for m in targets], mode, thr)
-        return {"models": {m.name: {"mode": m.mode.value, "threshold_ms": m.threshold_ms} for m in targets}}
-
-    @app.get("/admin/usage")
-    async def admin_usage(since: float | None = None, until: float | None = None) -> dict[str, Any]:
-        if router.ledger is None:
-            raise GatewayError(404, "No ledger is configured.")
-        await router._ledger_q.join()  # rows of finished requests are in before we read
-        rows = await asyncio.to_thread(router.ledger.summary, since, until)
-        total = await asyncio.to_thread(router.ledger.totals, since, until)
-        return {"since": since, "until": until, "rows": [r.as_dict() for r in rows], "total": total.as_dict()}
-
+    app.include_router(ops_routes(gw, cfg))
     return app

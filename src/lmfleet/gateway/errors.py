@@ -3,11 +3,16 @@
 Exception tree::
 
     GatewayError                      -> an HTTP answer (status, message, type, param, code)
-    UpstreamError                     -> a backend (local deployment or provider) failed
-        retryable=True                   connect error, timeout, 5xx, 429: another target may serve
-        retryable=False                  the backend said the request itself is wrong (4xx)
+    UpstreamError                     -> a backend (local deployment or provider) failed; ``retryable``
+        UpstreamTimeout                  no answer (or first token) in time: busy, not necessarily broken
+        UpstreamUnreachable              connect error, reset, broken stream before the first byte
+        UpstreamRateLimited              429, with the backend's Retry-After when it sent one
+        UpstreamServerError              5xx (and a local 404 while Serve redeploys the app)
+        UpstreamMisconfigured            a provider refused our key or model (401/403/404): our fault, not the client's
+        UpstreamRejected                 4xx: the backend says the request itself is wrong (not retryable)
 
-Only ``gateway.app`` turns these into HTTP responses.
+Upstream failures are classified once, in ``gateway.upstream``; only ``gateway.app`` turns errors into
+HTTP responses.
 """
 
 from __future__ import annotations
@@ -33,15 +38,41 @@ class GatewayError(Exception):
 class UpstreamError(Exception):
     """A backend failed. ``status`` is the upstream HTTP status, or None when no answer came."""
 
-    def __init__(self, message: str, *, retryable: bool, status: int | None = None,
-                 retry_after_s: float | None = None, timeout: bool = False):
+    retryable = True
+    """Another attempt (the same backend later, or another one) may succeed."""
+
+    def __init__(self, message: str, *, status: int | None = None, retry_after_s: float | None = None):
         super().__init__(message)
         self.message = message
-        self.retryable = retryable
         self.status = status
         self.retry_after_s = retry_after_s
-        self.timeout = timeout
-        """No answer in time: a busy backend, not necessarily a broken one."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No answer, or no first token, in time."""
+
+
+class UpstreamUnreachable(UpstreamError):
+    """No HTTP answer: connect error, connection reset, a stream that broke before its first event."""
+
+
+class UpstreamRateLimited(UpstreamError):
+    """HTTP 429; ``retry_after_s`` from the backend's Retry-After header when it sent one."""
+
+
+class UpstreamServerError(UpstreamError):
+    """HTTP 5xx, a body that is not what the API promises, or a local 404 while Serve redeploys the app."""
+
+
+class UpstreamMisconfigured(UpstreamError):
+    """A provider answered 401/403/404: an expired key or a removed model. Never the client's fault, so never
+    relayed to it; another backend may serve."""
+
+
+class UpstreamRejected(UpstreamError):
+    """HTTP 4xx other than 429: the request itself is wrong; no other backend would take it either."""
+
+    retryable = False
 
 
 def _default_type(status: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,14 +55,20 @@ class HealthBoard:
         self._fetch = fetch
         self.period_s = period_s
         self.models: dict[str, ModelHealth] = {m: ModelHealth(fetch is None, "starting") for m in app_names}
-        self.updated_at = 0.0
         self._marks: dict[str, tuple[float, str]] = {}
         self._broken_streams: dict[str, int] = {}
+        self._failures: dict[str, deque[tuple[float, object]]] = {}
 
     MARK_HOLD_S = 30.0
     STREAM_BREAKS_TO_MARK = 3
     """Consecutive local streams broken mid-way before the model counts as failed (one alone is not a dead
     engine: a dead engine also fails the next request before its first byte, and that marks at once)."""
+
+    FAILURES_TO_MARK = 3
+    FAILURE_WINDOW_S = 10.0
+    """A model counts as failed after FAILURES_TO_MARK local 5xx answers to *different* requests within
+    FAILURE_WINDOW_S: one request (and its retries) that makes the engine answer 500 must not send all traffic
+    to paid providers. A dead engine fails every request, so it still goes down within a few seconds."""
 
     def refresh_from(self, apps: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -73,12 +80,26 @@ class HealthBoard:
             if mark and h.ready and now - mark[0] < self.MARK_HOLD_S:
                 h = ModelHealth(False, mark[1], h.running_replicas)
             self.models[model] = h
-        self.updated_at = now
 
     def mark_failed(self, model: str, message: str) -> None:
         self._marks[model] = (time.monotonic(), message)
         cur = self.models.get(model)
         self.models[model] = ModelHealth(False, message, cur.running_replicas if cur else 0)
+
+    def note_failure(self, model: str, message: str, request: object, now: float | None = None) -> None:
+        """A local 5xx on behalf of ``request`` (any object that identifies it, e.g. its task; its retries
+        count once). Marks the model failed once FAILURES_TO_MARK requests failed within FAILURE_WINDOW_S."""
+        now = time.monotonic() if now is None else now
+        q = self._failures.setdefault(model, deque())
+        while q and now - q[0][0] > self.FAILURE_WINDOW_S:
+            q.popleft()
+        if any(r is request for _, r in q):
+            return
+        q.append((now, request))
+        if len(q) >= self.FAILURES_TO_MARK:
+            q.clear()
+            self.mark_failed(model, f"{message} ({self.FAILURES_TO_MARK} requests failed within "
+                                    f"{self.FAILURE_WINDOW_S:g} s)")
 
     def note_stream_break(self, model: str, message: str) -> None:
         n = self._broken_streams.get(model, 0) + 1
@@ -89,6 +110,7 @@ class HealthBoard:
     def mark_ok(self, model: str) -> None:
         """A local request succeeded: the engine serves, whatever an earlier failure suggested."""
         self._broken_streams.pop(model, None)
+        self._failures.pop(model, None)
         if self._marks.pop(model, None) is not None:
             cur = self.models.get(model)
             if cur is not None and not cur.ready:

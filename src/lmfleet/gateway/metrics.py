@@ -30,5 +30,8 @@ class GatewayMetrics:
                                   ["model", "target", "reason"], registry=r)
         self.model_ready = Gauge("lmfleet_model_ready", "1 when the model's local deployment is serving.",
                                  ["model"], registry=r)
+        self.upstream_failures = Counter(
+            "lmfleet_upstream_failures", "Failed upstream attempts by backend and kind (UpstreamMisconfigured: a "
+            "provider refused the gateway's key or model: alert on it).", ["served_by", "kind"], registry=r)
         self.retries = Counter("lmfleet_upstream_retries", "Attempts that failed before the first byte and were retried.",
                                ["model", "from_target"], registry=r)

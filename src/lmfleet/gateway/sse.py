@@ -8,21 +8,75 @@ from typing import Any
 DONE = b"data: [DONE]"
 
 
-class SSESplitter:
-    """Feed raw bytes, get back complete events (each ending in a blank line), in order."""
+class SSEEventTooLarge(ValueError):
+    """An upstream event grew past the splitter's limit without ending (a broken or hostile stream)."""
 
-    def __init__(self) -> None:
-        self._buf = b""
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"stream event of {size} bytes or more exceeds the {limit}-byte limit "
+                         "(no blank line ends it); the upstream stream is broken")
+        self.size = size
+        self.limit = limit
+
+
+class SSESplitter:
+    """Feed raw bytes, get back complete events (each ending in a blank line), in order.
+
+    Line ends are normalised to ``\n`` (a ``\r\n`` split across two reads included). Each byte is
+    scanned once: the search for the blank line resumes where the last one stopped, and only the
+    unfinished event is kept between reads. An event longer than ``max_event_bytes`` raises
+    :class:`SSEEventTooLarge` (and the splitter drops what it held), so a stream that never ends
+    an event cannot grow the gateway's memory without bound.
+    """
+
+    def __init__(self, max_event_bytes: int = 1 << 20) -> None:
+        if max_event_bytes < 1:
+            raise ValueError(f"max_event_bytes={max_event_bytes} must be >= 1")
+        self.max_event_bytes = max_event_bytes
+        self._buf = bytearray()  # the unfinished event, already normalised
+        self._cr = False  # the last read ended in "\r": its "\n" may come with the next one
 
     def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data.replace(b"\r\n", b"\n")
-        if b"\n\n" not in self._buf:
-            return []
-        *events, self._buf = self._buf.split(b"\n\n")
-        return [e + b"\n\n" for e in events if e.strip()]
+        if self._cr:
+            data = b"\r" + data
+            self._cr = False
+        if data.endswith(b"\r"):
+            data = data[:-1]
+            self._cr = True
+        data = data.replace(b"\r\n", b"\n")
+        if self._buf:
+            scan_from = len(self._buf) - 1  # the blank line may straddle the old tail and the new bytes
+            self._buf += data
+            events, end = self._split(self._buf, scan_from)
+            del self._buf[:end]
+        else:  # the usual case in a relay: whole events per read, nothing held, no copy into the buffer
+            events, end = self._split(data, 0)
+            if end < len(data):
+                self._buf += memoryview(data)[end:]
+        if len(self._buf) > self.max_event_bytes:
+            size = len(self._buf)
+            self._buf.clear()
+            raise SSEEventTooLarge(size, self.max_event_bytes)
+        return events
+
+    def _split(self, buf: bytes | bytearray, scan_from: int) -> tuple[list[bytes], int]:
+        """Complete non-blank events in ``buf`` and the offset where the unfinished rest starts."""
+        events = []
+        start = 0
+        find = buf.find
+        while (i := find(b"\n\n", scan_from)) >= 0:
+            end = i + 2
+            if end - start > self.max_event_bytes:
+                self._buf.clear()
+                raise SSEEventTooLarge(end - start, self.max_event_bytes)
+            event = bytes(buf[start:end])
+            if not event.isspace():
+                events.append(event)
+            start = scan_from = end
+        return events, start
 
     def rest(self) -> bytes:
-        return self._buf
+        """What was fed after the last complete event (an event the stream did not end)."""
+        return bytes(self._buf) + (b"\r" if self._cr else b"")
 
 
 def event_json(event: bytes) -> dict[str, Any] | None:
@@ -41,19 +95,28 @@ def is_done(event: bytes) -> bool:
     return event.strip() == DONE
 
 
+def count_choices(block: bytes) -> int:
+    """Events in ``block`` (one or more whole events) that carry a choice, without parsing JSON."""
+    return block.count(b'"choices":[{') + block.count(b'"choices": [{')
+
+
 def has_choices(event: bytes) -> bool:
     """Cheap test for an event that carries a choice (text or delta), without parsing JSON."""
     return b'"choices":[{' in event or b'"choices": [{' in event
 
 
-def usage_of(obj: dict[str, Any] | None) -> tuple[int, int] | None:
-    """(prompt_tokens, completion_tokens) from a response or chunk, if it carries usage."""
-    if not obj:
+def usage_of(obj: Any) -> tuple[int, int] | None:
+    """(prompt_tokens, completion_tokens) from a response or chunk, if it carries usage as non-negative integers
+    (an upstream that sends anything else is treated as sending no usage)."""
+    if not isinstance(obj, dict):
         return None
     u = obj.get("usage")
     if not isinstance(u, dict):
         return None
-    return int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
+    counts = [u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        return None
+    return counts[0], counts[1]
 
 
 def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:

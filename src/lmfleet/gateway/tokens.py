@@ -12,13 +12,15 @@ log = logging.getLogger("lmfleet.gateway")
 _OFFLOAD_CHARS = 16_000
 
 
-def load_tokenizer(path: str) -> Any | None:
-    try:
-        from transformers import AutoTokenizer
+def load_tokenizer_or_none(path: str, *, trust_remote_code: bool = False) -> Any | None:
+    """The model's tokenizer, or None (with a warning): the gateway still serves, only the early
+    context-length check is lost."""
+    from lmfleet.models.tokenizer import TokenizerLoadError, load_tokenizer
 
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # the gateway still serves; only the early context-length check is lost
-        log.warning("could not load tokenizer from %s (%s); prompt lengths are left to the engine", path, e)
+    try:
+        return load_tokenizer(path, trust_remote_code=trust_remote_code, local_files_only=False)
+    except TokenizerLoadError as e:
+        log.warning("%s; prompt lengths are left to the engine", e)
         return None
 
 
@@ -26,7 +28,7 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str))
     return ""
 
 
@@ -72,3 +74,44 @@ async def count_prompt_tokens(tok: Any | None, kind: str, body: dict[str, Any]) 
     if _size(kind, body) > _OFFLOAD_CHARS:
         return await asyncio.to_thread(fn, tok, arg)
     return fn(tok, arg)
+
+
+# a chat template's own tokens per message beyond its role and text: role markers, separators (generous)
+_PER_MESSAGE = 16
+
+
+def template_overhead(tok: Any) -> int:
+    """Tokens a chat template adds around one empty user message (default system prompt, generation
+    prompt included): the fixed part of :func:`token_bounds`. 0 without a template."""
+    try:
+        return _ids_len(tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True,
+                                                tokenize=True))
+    except Exception:
+        return 0
+
+
+def token_bounds(kind: str, body: dict[str, Any], overhead: int) -> tuple[int, int] | None:
+    """(upper bound, rough estimate) of the prompt's tokens without tokenizing, or None when the prompt is not
+    plain text (token ids, odd content). Pure.
+
+    Why the bound holds: every token of a byte-level BPE covers at least one UTF-8 byte of the text, and a
+    SentencePiece token at least one character (byte fallback: one byte); a character is at most 4 bytes.
+    So text tokens <= 4 x characters (+1 for a word-boundary prefix), and a chat template adds at most
+    ``overhead`` + ``_PER_MESSAGE`` per message + the role's own text. The estimate (4 characters a token)
+    stands in for the count where only the ledger's fallback needs it.
+    """
+    if kind == "chat":
+        chars, fixed = 0, overhead
+        for m in body.get("messages") or ():
+            content = m.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                return None
+            role = m.get("role") if isinstance(m.get("role"), str) else ""
+            text = _text_of(content)
+            chars += len(text)
+            fixed += _PER_MESSAGE + 4 * len(role) + 1
+        return 4 * chars + fixed, chars // 4 + overhead
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return 4 * len(prompt) + 2, len(prompt) // 4 + 1
+    return None

@@ -11,6 +11,13 @@ BUILTIN_MODELS: dict[str, str] = {
     "tiny-random": "a 2-layer random-weight Llama with a locally trained byte-level BPE tokenizer (fast tests)",
 }
 
+# engine options a built-in model needs whatever the machine, applied when the fleet file leaves them at "auto":
+# SmolLM2 converted from its 4-bit GGUF answers sensibly in float32 but not in bfloat16, and vLLM's CPU build
+# picks bfloat16 for "auto" on CPUs that support it (so the answer depended on the machine)
+BUILTIN_ENGINE_DEFAULTS: dict[str, dict[str, str]] = {
+    "smollm2": {"dtype": "float32"},
+}
+
 
 def cache_dir() -> Path:
     """Root of lmfleet's cache: ``$LMFLEET_CACHE`` or ``~/.cache/lmfleet``."""

@@ -1,6 +1,7 @@
 """Queue-aware overflow: load signals, wait estimate, routing policy, breaker, budget, cost and ledger.
 
-Pure decision modules (no I/O): ``signals``, ``estimator``, ``policy``, ``breaker``, ``budget``, ``cost``.
+Pure decision modules (no I/O): ``signals``, ``estimator``, ``policy``, ``breaker``, ``budget``, ``cost``,
+``money`` (integer nano-dollars).
 The only I/O module is ``ledger`` (SQLite). See docs/overflow.md.
 """
 

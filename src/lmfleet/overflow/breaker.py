@@ -7,12 +7,15 @@ States::
     OPEN   --(cooldown_s elapsed)--> HALF_OPEN
     HALF_OPEN: exactly one probe request is let through (try_acquire() returns True once);
                its success -> CLOSED (window cleared), its failure -> OPEN for another cooldown.
+               Only the probe's own success closes it (its :class:`Admission`): a long stream begun before the
+               breaker opened proves nothing about now. A cancelled probe is neutral: it frees the slot.
                A probe that never reports back is given up after cooldown_s and a new one allowed.
 
 A 429 is not a health failure: :meth:`CircuitBreaker.on_rate_limited` blocks the provider until
 ``now + retry_after_s`` (the server's ``Retry-After``), whatever the state, and touches no counter.
 
-Usage at the gateway: ``if breaker.try_acquire(): send ...; breaker.on_success() / on_failure()``.
+Usage at the gateway: ``if (t := breaker.acquire()): send ...; breaker.on_success(ticket=t) / on_failure() /
+release(t)`` (the client went away: neutral).
 ``allows()`` answers the same question without taking the half-open probe slot (for routing).
 Every method takes an optional ``now``; the default clock is ``time.monotonic``.
 """
@@ -21,20 +24,29 @@ from __future__ import annotations
 
 import email.utils
 import enum
+import math
 import random
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from lmfleet.config.models import BreakerConfig
 
-__all__ = ["BreakerState", "CircuitBreaker", "backoff_s", "parse_retry_after"]
+__all__ = ["BreakerState", "CircuitBreaker", "Admission", "backoff_s", "parse_retry_after"]
 
 
 class BreakerState(str, enum.Enum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One admitted request: ``probe`` is the half-open probe's number, None for a request admitted while closed."""
+
+    probe: int | None = None
 
 
 class CircuitBreaker:
@@ -66,6 +78,7 @@ class CircuitBreaker:
         self._streak = 0
         self._opened_at: float | None = None  # set while OPEN / HALF_OPEN
         self._probe_at: float | None = None  # when the half-open probe was handed out
+        self._probes = 0  # probes handed out so far: the current one's number
         self._blocked_until = float("-inf")
 
     @classmethod
@@ -92,14 +105,27 @@ class CircuitBreaker:
             return False
         return self._probe_at is None or t >= self._probe_at + self.cooldown_s
 
-    def try_acquire(self, now: float | None = None) -> bool:
-        """Let one request through if allowed; in HALF_OPEN this takes the single probe slot."""
+    def acquire(self, now: float | None = None) -> Admission | None:
+        """Let one request through if allowed (its ticket), else None; in HALF_OPEN this takes the single probe
+        slot, and only this ticket's success will close the breaker."""
         t = self._now(now)
         if not self.allows(t):
-            return False
+            return None
         if self.state(t) is BreakerState.HALF_OPEN:
             self._probe_at = t
-        return True
+            self._probes += 1
+            return Admission(self._probes)
+        return Admission()
+
+    def try_acquire(self, now: float | None = None) -> bool:
+        """:meth:`acquire` without the ticket."""
+        return self.acquire(now) is not None
+
+    def release(self, ticket: Admission | None) -> None:
+        """The request of ``ticket`` ended without a verdict (the client went away): neutral. A probe's slot is
+        freed for the next request."""
+        if ticket is not None and ticket.probe == self._probes and self._probe_at is not None:
+            self._probe_at = None
 
     def retry_after_s(self, now: float | None = None) -> float:
         """Seconds until :meth:`allows` may turn true (0 if it is true now)."""
@@ -116,11 +142,14 @@ class CircuitBreaker:
 
     # -- outcomes --------------------------------------------------------------------------------
 
-    def on_success(self, now: float | None = None) -> None:
+    def on_success(self, now: float | None = None, ticket: Admission | None = None) -> None:
+        """A success. While half-open only the probe's (``ticket`` from :meth:`acquire`) closes the breaker."""
         t = self._now(now)
         st = self.state(t)
-        if st is BreakerState.HALF_OPEN:
+        if st is BreakerState.HALF_OPEN and ticket is not None and ticket.probe == self._probes \
+                and self._probe_at is not None:
             self._close()
+            return
         if st is not BreakerState.CLOSED:
             return  # a straggler from before opening proves nothing
         self._streak = 0
@@ -144,7 +173,9 @@ class CircuitBreaker:
     def on_rate_limited(self, retry_after_s: float | None = None, now: float | None = None) -> None:
         """A 429: block until ``now + retry_after_s`` (default ``rate_limit_default_s``)."""
         t = self._now(now)
-        delay = self.rate_limit_default_s if retry_after_s is None else max(0.0, retry_after_s)
+        delay = self.rate_limit_default_s
+        if retry_after_s is not None and not math.isnan(retry_after_s):
+            delay = min(max(0.0, retry_after_s), MAX_RETRY_AFTER_S)
         self._blocked_until = max(self._blocked_until, t + delay)
         if self._probe_at is not None:
             self._probe_at = None  # a rate-limited probe says nothing about health; allow another later
@@ -178,18 +209,25 @@ def backoff_s(attempt: int, base: float = 0.5, cap: float = 10.0, rng: random.Ra
     return (rng or random).random() * ceiling
 
 
+MAX_RETRY_AFTER_S = 300.0
+"""Longest Retry-After honoured: a provider's (or a hostile proxy's) "inf" must not park it for ever."""
+
+
 def parse_retry_after(value: str | None, now_epoch: float | None = None) -> float | None:
-    """Seconds from an HTTP ``Retry-After`` header (delta-seconds or HTTP-date); None if absent/bad."""
+    """Seconds from an HTTP ``Retry-After`` header (delta-seconds or HTTP-date), clamped to
+    ``[0, MAX_RETRY_AFTER_S]``; None if absent, unparseable, negative or NaN (ignored)."""
     if not value:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        pass
-    try:
-        dt = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        try:
+            dt = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        now = time.time() if now_epoch is None else now_epoch
+        seconds = max(0.0, dt.timestamp() - now)
+    if math.isnan(seconds) or seconds < 0:
         return None
-    now = time.time() if now_epoch is None else now_epoch
-    return max(0.0, dt.timestamp() - now)
+    return min(seconds, MAX_RETRY_AFTER_S)

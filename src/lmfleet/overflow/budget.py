@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from lmfleet.overflow.money import nusd_to_usd, usd_to_nusd
+
 __all__ = ["HOUR_S", "DAY_S", "BudgetStatus", "check_budget"]
 
 HOUR_S = 3600.0
@@ -41,10 +43,6 @@ class BudgetStatus:
     spent_day_usd: float
 
 
-def _nusd(usd: float) -> int:
-    return round(usd * 1e9)
-
-
 def _window(events: list[tuple[float, float]], cap: float | None, window_s: float, now: float,
             pending_usd: float) -> tuple[float, float | None]:
     """(spent in window, retry_after_s or None when under the cap).
@@ -52,18 +50,18 @@ def _window(events: list[tuple[float, float]], cap: float | None, window_s: floa
     Sums are done in integer nano-dollars (as the ledger stores them) so that rolling events off
     one by one has no float drift: 1.8 - 0.4 - 0.4 must be exactly 1.0.
     """
-    inside = sorted((ts, _nusd(usd)) for ts, usd in events if ts > now - window_s)
-    spent = _nusd(pending_usd) + sum(n for _, n in inside)
-    if cap is None or spent < _nusd(cap):
-        return spent / 1e9, None
+    inside = sorted((ts, usd_to_nusd(usd)) for ts, usd in events if ts > now - window_s)
+    spent = usd_to_nusd(pending_usd) + sum(n for _, n in inside)
+    if cap is None or spent < usd_to_nusd(cap):
+        return nusd_to_usd(spent), None
     if cap <= 0:
-        return spent / 1e9, window_s
+        return nusd_to_usd(spent), window_s
     remaining = spent
     for ts, n in inside:
         remaining -= n
-        if remaining < _nusd(cap):
-            return spent / 1e9, max(0.0, ts + window_s - now)
-    return spent / 1e9, window_s
+        if remaining < usd_to_nusd(cap):
+            return nusd_to_usd(spent), max(0.0, ts + window_s - now)
+    return nusd_to_usd(spent), window_s
 
 
 def check_budget(

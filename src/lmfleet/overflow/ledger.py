@@ -19,9 +19,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Ledger", "UsageRow", "served_by_local", "served_by_provider", "usd_to_nusd"]
+from lmfleet.overflow.money import NUSD_PER_USD, nusd_to_usd, usd_to_nusd
+from lmfleet.provenance import PROVIDER_PREFIX, local_label, provider_label
 
-NUSD_PER_USD = 1_000_000_000
+__all__ = ["NUSD_PER_USD", "Ledger", "UsageRow", "served_by_local", "served_by_provider", "usd_to_nusd"]
+
+# the ledger's old names for the provenance labels (lmfleet.provenance holds the rule)
+served_by_local = local_label
+served_by_provider = provider_label
+
+# external rows: served_by starts with "provider/"
+_EXTERNAL = f"served_by LIKE '{PROVIDER_PREFIX}%'"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -41,18 +49,6 @@ CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
 
 
-def usd_to_nusd(usd: float) -> int:
-    return round(usd * NUSD_PER_USD)
-
-
-def served_by_local(model: str) -> str:
-    return f"local/{model}"
-
-
-def served_by_provider(provider: str) -> str:
-    return f"provider/{provider}"
-
-
 @dataclass(frozen=True)
 class UsageRow:
     served_by: str
@@ -68,7 +64,7 @@ class UsageRow:
 
 
 def _row(served_by: str, requests: int, inp: int, out: int, nusd: int) -> UsageRow:
-    cost = nusd / NUSD_PER_USD
+    cost = nusd_to_usd(nusd)
     return UsageRow(served_by, requests, inp, out, cost, cost / out * 1e6 if out else None)
 
 
@@ -125,20 +121,20 @@ class Ledger:
         """USD recorded at or after ``ts`` (external providers only by default)."""
         sql = "SELECT COALESCE(SUM(cost_nusd), 0) FROM requests WHERE ts >= ?"
         if external_only:
-            sql += " AND served_by LIKE 'provider/%'"
+            sql += f" AND {_EXTERNAL}"
         with self._lock:
             (nusd,) = self._db.execute(sql, (ts,)).fetchone()
-        return nusd / NUSD_PER_USD
+        return nusd_to_usd(nusd)
 
     def spend_events(self, since: float, bucket_s: float = 60.0) -> list[tuple[float, float]]:
         """External spend after ``since`` as ``(latest ts in bucket, usd)`` pairs, for ``check_budget``."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT MAX(ts), SUM(cost_nusd) FROM requests WHERE ts > ? AND served_by LIKE 'provider/%'"
+                f"SELECT MAX(ts), SUM(cost_nusd) FROM requests WHERE ts > ? AND {_EXTERNAL}"
                 " GROUP BY CAST(ts / ? AS INTEGER) ORDER BY 1",
                 (since, bucket_s),
             ).fetchall()
-        return [(ts, nusd / NUSD_PER_USD) for ts, nusd in rows]
+        return [(ts, nusd_to_usd(nusd)) for ts, nusd in rows]
 
     def summary(self, since: float | None = None, until: float | None = None) -> list[UsageRow]:
         """One row per ``served_by`` over ``[since, until)``, most expensive first."""
@@ -170,7 +166,7 @@ class Ledger:
             names = [d[0] for d in cur.description]
             out = [dict(zip(names, r)) for r in cur.fetchall()]
         for r in out:
-            r["cost_usd"] = r.pop("cost_nusd") / NUSD_PER_USD
+            r["cost_usd"] = nusd_to_usd(r.pop("cost_nusd"))
         return out
 
     @staticmethod

@@ -60,6 +60,10 @@ class Reason(str, enum.Enum):
     BUDGET_EXHAUSTED = "budget_exhausted"
     NO_HEALTHY_PROVIDER = "no_healthy_provider"
     PROVIDERS_AT_CAPACITY = "providers_at_capacity"
+    # set by the gateway, not by decide(): the local deployment is down, or an earlier attempt failed
+    LOCAL_UNAVAILABLE = "local_unavailable"
+    FALLBACK_AFTER_LOCAL_ERROR = "fallback_after_local_error"
+    FALLBACK_AFTER_PROVIDER_ERROR = "fallback_after_provider_error"
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,6 @@ class RouteDecision:
     reason: Reason
     state: HysteresisState
     """Hysteresis state to store for the model's next decision."""
-    provider_model: str | None = None
-    """The provider's model name (from its model_map) when target is a provider."""
     retry_after_s: float | None = None
     """For ``"reject"``: seconds to put in the Retry-After header."""
     estimate_ms: float | None = field(default=None, compare=False)
@@ -106,11 +108,6 @@ class RouteDecision:
     @property
     def is_provider(self) -> bool:
         return not (self.is_local or self.is_reject)
-
-    @property
-    def served_by(self) -> str:
-        """Ledger label: ``provider/NAME``; local routes need the model name, see ``ledger.served_by``."""
-        return f"provider/{self.target}" if self.is_provider else self.target
 
 
 def decide(
@@ -150,8 +147,7 @@ def decide(
     if chosen is None:
         return RouteDecision(LOCAL, Reason.PROVIDERS_AT_CAPACITY, next_state, estimate_ms=estimate_ms)
     reason = Reason.FORCED_OVERFLOW if mode is OverflowMode.FORCE_ON else Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD
-    return RouteDecision(chosen.name, reason, next_state, provider_model=chosen.model_map[model],
-                         estimate_ms=estimate_ms)
+    return RouteDecision(chosen.name, reason, next_state, estimate_ms=estimate_ms)
 
 
 def providers_for(model: ModelConfig, providers: Sequence[ProviderConfig]) -> list[ProviderConfig]:

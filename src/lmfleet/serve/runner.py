@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import psutil
-
 from lmfleet.config.models import FleetConfig
+from lmfleet.serve.processes import ProcessReaper
 
 log = logging.getLogger("lmfleet.serve")
 
@@ -37,71 +33,74 @@ class DeployError(RuntimeError):
     """A model's deployment failed; the message says which and why."""
 
 
-# ---------------------------------------------------------------------------------------------
-# processes we own
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class ProcessReaper:
-    """Remembers every descendant process seen, and ends the survivors at shutdown (by pid)."""
-
-    seen: dict[int, float] = field(default_factory=dict)  # pid -> create_time (guards pid reuse)
-
-    def snapshot(self) -> None:
-        try:
-            for p in psutil.Process().children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    self.seen.setdefault(p.pid, p.create_time())
-        except psutil.Error:
-            pass
-
-    def alive(self) -> list[psutil.Process]:
-        out = []
-        for pid, created in self.seen.items():
-            with contextlib.suppress(psutil.Error):
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-        return out
-
-    def reap(self, grace_s: float = 5.0) -> int:
-        self.snapshot()
-        procs = self.alive()
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        _, still = psutil.wait_procs(procs, timeout=grace_s)
-        for p in still:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(still, timeout=grace_s)
-        return len(procs)
+HAPROXY_START_S = 90.0  # Serve's HAProxyManager starts HAProxy within seconds; a loaded 2-core machine is slower
 
 
 # ---------------------------------------------------------------------------------------------
 # Ray and Serve
 # ---------------------------------------------------------------------------------------------
 def ray_address(fleet: FleetConfig, cli_address: str | None) -> str | None:
-    return cli_address or os.environ.get("RAY_ADDRESS") or fleet.cluster.address
+    from lmfleet.cluster.connect import resolve_ray_address
+
+    return resolve_ray_address(cli_address, fleet)
+
+
+def prepare_serve_proxy(fleet: FleetConfig) -> None:
+    """Set Ray Serve's proxy switches before anything imports Ray Serve (it reads them at import time);
+    in HAProxy mode, fail now with one line if HAProxy cannot run."""
+    from lmfleet.serve.proxy import ProxyError, apply_env, check_haproxy, serve_env, uses_haproxy
+
+    apply_env(serve_env(fleet), os.environ)
+    if uses_haproxy(fleet):
+        try:
+            check_haproxy()
+        except ProxyError as e:
+            raise DeployError(str(e)) from None
 
 
 def connect_ray(fleet: FleetConfig, address: str | None) -> bool:
     """Join the cluster at ``address`` or start a local head. Returns True when we started Ray."""
-    import ray
+    from lmfleet.cluster.connect import LocalHead, connect
+    from lmfleet.serve.proxy import effective_env, free_ports, serve_env, uses_haproxy
 
-    quiet = dict(log_to_driver=False, logging_level=logging.WARNING, configure_logging=True)
+    quiet = dict(logging_level=logging.WARNING, configure_logging=True)
     if address:
-        ray.init(address=address, **quiet)
-        return False
+        return connect(address, env_vars=effective_env(serve_env(fleet), os.environ), **quiet)
     cpus = fleet.cluster.num_cpus or max(8, os.cpu_count() or 1)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=512 * 1024**2, **quiet)
-    return True
+    # our own HAProxy side ports: Ray's fixed defaults (8404, 9101, 8500) collide between fleets on one machine
+    env = effective_env(serve_env(fleet, free_ports() if uses_haproxy(fleet) else None), os.environ)
+    return connect(None, local=LocalHead(num_cpus=cpus, env=env), **quiet)
 
 
-def start_serve(fleet: FleetConfig) -> None:
+def start_serve(fleet: FleetConfig, *, local_head: bool = True) -> None:
+    """Start Serve with its proxy (HAProxy or Serve's own, per gateway.serve_proxy) on serve_port of the head."""
     from ray import serve
+    from ray.serve._private import constants
 
-    serve.start(proxy_location="HeadOnly",
-                http_options={"host": "127.0.0.1", "port": fleet.gateway.serve_port})
+    from lmfleet.serve.proxy import effective_env, port_in_use, serve_env, serve_http_host, uses_haproxy
+
+    if constants.RAY_SERVE_ENABLE_HA_PROXY != uses_haproxy(fleet):
+        raise DeployError("Ray Serve was imported before lmfleet set RAY_SERVE_ENABLE_HA_PROXY; "
+                          f"gateway.serve_proxy={fleet.gateway.serve_proxy!r} cannot take effect")
+    port = fleet.gateway.serve_port
+    host = serve_http_host(fleet, local_head=local_head)
+    if host != "127.0.0.1":
+        log.warning("HAProxy mode on a joined cluster: Serve's port %s and replica ports listen on all interfaces "
+                    "without auth; firewall them (docs/multinode.md)", port)
+    if local_head and port_in_use("127.0.0.1", port):
+        raise DeployError(f"gateway.serve_port {port} is already in use on 127.0.0.1; choose another port")
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
+                controller_options={"runtime_env": {"env_vars": effective_env(serve_env(fleet), os.environ)}})
+
+
+def check_serve_proxy(fleet: FleetConfig, *, local_head: bool) -> None:
+    """On a local head in HAProxy mode, wait until HAProxy listens on serve_port (it starts while engines load)."""
+    from lmfleet.serve.proxy import haproxy_error, uses_haproxy, wait_listening
+
+    port = fleet.gateway.serve_port
+    if local_head and uses_haproxy(fleet) and not wait_listening("127.0.0.1", port, HAPROXY_START_S):
+        raise DeployError(haproxy_error(f"nothing listens on 127.0.0.1:{port} {HAPROXY_START_S:.0f} s after Serve "
+                                        "started (HAProxy's stderr: /tmp/haproxy-serve/<node id>/*.stderr.log)"))
 
 
 def deploy(apps: list[Any]) -> None:
@@ -160,57 +159,9 @@ def wait_until_running(app_names: dict[str, str], timeout_s: float, progress: Ca
         time.sleep(1.0)
 
 
-def model_max_len(model_cfg, model_path: str) -> int | None:
-    if model_cfg.engine.max_model_len:
-        return model_cfg.engine.max_model_len
-    with contextlib.suppress(OSError, ValueError):
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        return cfg.get("max_position_embeddings")
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
-# the gateway
+# the gateway (assembled by lmfleet.gateway.build_gateway)
 # ---------------------------------------------------------------------------------------------
-def build_router(fleet: FleetConfig, apps: list[Any], serve_url: str, fetch_status, environ: dict[str, str]):
-    import httpx
-
-    from lmfleet.engine.app import engine_device
-    from lmfleet.gateway.health import HealthBoard
-    from lmfleet.gateway.metrics import GatewayMetrics
-    from lmfleet.gateway.router import LocalModel, Provider, Router
-    from lmfleet.gateway.tokens import load_tokenizer
-    from lmfleet.overflow import CircuitBreaker, Ledger, LoadTracker, LocalCostMeter, local_capacity
-
-    models = {}
-    for a in apps:
-        mc = fleet.model(a.name)
-        cap = local_capacity(mc)
-        uses_gpus = engine_device(mc) == "gpu"
-        models[a.name] = LocalModel(
-            cfg=mc, base_url=f"{serve_url}{a.route_prefix}/v1", max_model_len=model_max_len(mc, a.model_path),
-            tokenizer=load_tokenizer(a.tokenizer_path),
-            tracker=LoadTracker(cap, window_s=mc.overflow.signal_window_s), capacity=cap,
-            meter=LocalCostMeter.for_model(mc, uses_gpus=uses_gpus), threshold_ms=mc.overflow.threshold_ms)
-    providers = {}
-    for p in fleet.providers:
-        key = environ.get(p.api_key_env) if p.api_key_env else None
-        if p.api_key_env and not key:
-            log.warning("provider %s: environment variable %s is not set; sending no API key", p.name, p.api_key_env)
-        limits = httpx.Limits(max_connections=p.max_concurrency or 1000, max_keepalive_connections=100)
-        client = httpx.AsyncClient(timeout=httpx.Timeout(p.timeouts.total_s, connect=p.timeouts.connect_s),
-                                   limits=limits)
-        providers[p.name] = Provider(p, client, {"authorization": f"Bearer {key}"} if key else {},
-                                     CircuitBreaker.from_config(p.breaker))
-    local_client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                     limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512))
-    health = HealthBoard({a.name: a.app_name for a in apps}, fetch_status, fleet.gateway.health_poll_s)
-    path = Path(fleet.ledger.path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger(path)
-    return Router(fleet, models, providers, local_client, health, GatewayMetrics(), ledger)
-
-
 class _Server:
     """uvicorn.Server without its own signal handling (we own SIGINT/SIGTERM)."""
 
@@ -229,23 +180,18 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, starte
                progress: Callable[[str], None], deploy_timeout_s: float) -> int:
     import uvicorn
 
-    from lmfleet.gateway.app import create_app, load_api_keys
+    from lmfleet.gateway import build_gateway
     from lmfleet.gateway.health import serve_status_fetcher
+    from lmfleet.gateway.pollers import ray_metrics_fetcher
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    serve_url = f"http://127.0.0.1:{fleet.gateway.serve_port}"
-    router = build_router(fleet, apps, serve_url, serve_status_fetcher(), dict(os.environ))
-    if fleet.gateway.engine_metrics_poll_s > 0:
-        from lmfleet.overflow.engine_stats import EngineStatsPoller, ray_metrics_fetcher
-
-        router.engine_stats = EngineStatsPoller({n: m.tracker for n, m in router.models.items()},
-                                                ray_metrics_fetcher(), fleet.gateway.engine_metrics_poll_s)
-    admin_key = os.environ.get(fleet.gateway.admin_key_env) if fleet.gateway.admin_key_env else None
-    app = create_app(router, api_keys=load_api_keys(fleet.gateway, dict(os.environ)), admin_key=admin_key)
+    app = build_gateway(fleet, apps, serve_url=f"http://127.0.0.1:{fleet.gateway.serve_port}",
+                        fetch_status=serve_status_fetcher(), fetch_engine_metrics=ray_metrics_fetcher())
+    health = app.state.gateway.health
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=10, lifespan="on")
     server = _Server(config)
@@ -268,7 +214,7 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, starte
             progress(f"lmfleet: error: {exc}")
             code = 1
         elif exc is None:
-            router.health.refresh_from(await asyncio.to_thread(serve_status_fetcher()))
+            health.refresh_from(await asyncio.to_thread(serve_status_fetcher()))
             names = ", ".join(a.name for a in apps)
             progress(f"lmfleet: ready. OpenAI-compatible API at {url}/v1 serving: {names}")
             progress(f"lmfleet: try  curl {url}/v1/chat/completions -H 'content-type: application/json' "
@@ -303,14 +249,18 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     # a second Ctrl-C during start-up must still clean up, so SIGTERM behaves like SIGINT until the loop runs
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        prepare_serve_proxy(fleet)
         apps = build_model_apps(fleet, progress=progress)
         addr = ray_address(fleet, address)
         progress(f"lmfleet: {'joining Ray cluster at ' + addr if addr else 'starting a local Ray head'}...")
         started_ray = connect_ray(fleet, addr)
         reaper.snapshot()
-        start_serve(fleet)
+        start_serve(fleet, local_head=started_ray)
+        progress(f"lmfleet: Ray Serve's HTTP proxy on port {fleet.gateway.serve_port}: "
+                 f"{'HAProxy (direct streaming)' if fleet.gateway.serve_proxy == 'haproxy' else 'Serve proxy'}")
         progress(f"lmfleet: deploying {len(apps)} model(s) on Ray Serve: {', '.join(a.name for a in apps)}")
         deploy(apps)
+        check_serve_proxy(fleet, local_head=started_ray)
         reaper.snapshot()
         code = asyncio.run(_run(fleet, apps, host, port, started_ray, progress, deploy_timeout_s))
     except KeyboardInterrupt:
@@ -341,6 +291,10 @@ def _teardown(apps: list[Any], started_ray: bool, progress: Callable[[str], None
         return
     if not ray.is_initialized():
         return
+    node_id = None
+    if started_ray:
+        with contextlib.suppress(Exception):
+            node_id = ray.get_runtime_context().get_node_id()
     try:
         if started_ray:
             serve.shutdown()
@@ -352,4 +306,12 @@ def _teardown(apps: list[Any], started_ray: bool, progress: Callable[[str], None
         progress(f"lmfleet: warning: Serve shutdown: {e}")
     with contextlib.suppress(Exception):
         ray.shutdown()
+    if node_id:
+        # HAProxy reloads spawn new processes; one started during shutdown can outlive its manager actor
+        from lmfleet.serve.proxy import end_node_haproxies, remove_node_files
+
+        n = end_node_haproxies(node_id)
+        if n:
+            progress(f"lmfleet: ended {n} HAProxy process(es) left by Ray Serve")
+        remove_node_files(node_id)
     sys.stdout.flush()

@@ -1,0 +1,483 @@
+"""What relaying a stream costs the gateway: direct vs through lmfleet, on a fake engine that costs ~nothing.
+
+Paths, measured in one run with rounds alternated (medians reported):
+
+    direct     client -> fast fake OpenAI server (tests/support/fast_openai_server.py)
+    provider   client -> gateway -> the fake as an external provider (overflow forced on)
+    local      client -> gateway -> the fake standing in for Ray Serve (overflow forced off)
+
+Each gateway path is run once per uvicorn variant (``--variants``, loop:http pairs), each variant in
+its own gateway process so that psutil can charge it its CPU. Load: ``--concurrency`` clients (keep-
+alive connections, one request in flight each) streaming ``--max-tokens``-token chat completions for
+``--duration`` seconds per phase, then one client for ``--ttft-duration`` seconds for the TTFT at rest.
+Targets (issue 11): gateway >= 50 % of direct req/s at 64 concurrent 32-token streams, and <= 1 ms
+added P50 TTFT (one client).
+
+    LMFLEET_CACHE=/tmp/lmfc .venv/bin/python benchmarks/bench_relay.py --rounds 3 --duration 10
+    ... --profile out/relay.prof   # cProfile the first variant's gateway (slows it: a separate run)
+
+The load generator is raw asyncio (a Protocol per connection, no HTTP library) so that it stays cheaper
+than what it measures; its CPU, the fake's and the gateway's are printed beside the figures (2-core
+machine: the three share it, so read "cores" columns before trusting a ratio). Because the client is
+this light, "direct" with ``--itl-ms 0`` runs at thousands of req/s (an httpx client gets ~660): the
+%direct column is against this client, and with ``--itl-ms 0`` it measures per-request overhead only.
+``--itl-ms 1`` makes the fake stream token by token, closer to an engine. The header prints the
+machine's load average before and after: other work on the machine moves every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO))
+
+ADMIN_ENV = "LMFLEET_BENCH_ADMIN_KEY"
+CHOICE_MARKS = (b'"choices":[{', b'"choices": [{')
+
+
+# ---------------------------------------------------------------------------------------------
+# the gateway under test (its own process)
+# ---------------------------------------------------------------------------------------------
+def make_gateway_app(fleet, fake_url: str):
+    """The gateway ASGI app for ``fleet``, its local model served by ``fake_url`` (no Ray, no pollers).
+
+    The one place that knows how lmfleet assembles a gateway: switch it when the builder moves.
+    """
+    from lmfleet.engine.app import resolve_model
+    from lmfleet.gateway import build_gateway
+    from lmfleet.models import resolve_source
+
+    apps = [resolve_model(m, resolve_source(m.source)) for m in fleet.models]
+    return build_gateway(fleet, apps, serve_url=fake_url, environ=dict(os.environ), fetch_status=None,
+                         fetch_engine_metrics=None)
+
+
+def write_fleet(folder: Path, port: int, fake_url: str) -> Path:
+    fleet = {
+        "gateway": {"host": "127.0.0.1", "port": port, "admin_key_env": ADMIN_ENV, "health_poll_s": 60,
+                    "engine_metrics_poll_s": 0},
+        "models": [{"name": "m", "source": "builtin:tiny-random", "deployment": {"max_ongoing_requests": 1024}}],
+        "providers": [{"name": "fake", "base_url": f"{fake_url}/v1", "model_map": {"m": "fake-model"},
+                       "max_retries": 0}],
+        "ledger": {"path": str(folder / f"ledger-{port}.sqlite")},
+    }
+    path = folder / f"fleet-{port}.yaml"
+    path.write_text(json.dumps(fleet, indent=2))  # JSON is YAML
+    return path
+
+
+def serve_gateway(config: str, fake_url: str, loop: str, http: str, profile_out: str | None) -> None:
+    """Child-process entry: run the gateway until SIGINT/SIGTERM."""
+    import cProfile
+
+    import uvicorn
+
+    from lmfleet.config import load_config
+
+    fleet = load_config(config)
+    app = make_gateway_app(fleet, fake_url)
+    server = uvicorn.Server(uvicorn.Config(app, host=fleet.gateway.host, port=fleet.gateway.port, loop=loop,
+                                           http=http, log_level="warning", access_log=False, lifespan="on"))
+    prof = cProfile.Profile() if profile_out else None
+    if prof:
+        prof.enable()
+    try:
+        server.run()
+    finally:
+        if prof:
+            prof.disable()
+            prof.dump_stats(profile_out)
+
+
+@dataclass
+class Gateway:
+    variant: str
+    url: str
+    proc: subprocess.Popen
+    ps: psutil.Process = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ps = psutil.Process(self.proc.pid)
+
+
+def start_gateway(folder: Path, fake_url: str, variant: str, admin_key: str, profile_out: str | None) -> Gateway:
+    loop, http = variant.split(":")
+    port = free_port()
+    cfg = write_fleet(folder, port, fake_url)
+    argv = [sys.executable, __file__, "--serve-gateway", str(cfg), "--fake-url", fake_url, "--loop", loop,
+            "--http", http]
+    if profile_out:
+        argv += ["--profile-out", profile_out]
+    log = open(folder / f"gateway-{port}.log", "wb")
+    proc = subprocess.Popen(argv, env={**os.environ, ADMIN_ENV: admin_key}, stdout=log, stderr=subprocess.STDOUT)
+    gw = Gateway(variant, f"http://127.0.0.1:{port}", proc)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = Path(log.name).read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"gateway {variant} exited with {proc.returncode}; its log ends:\n{tail}")
+        with contextlib.suppress(OSError):
+            if http_json("GET", f"{gw.url}/health")[0] == 200:
+                return gw
+        time.sleep(0.2)
+    stop_process(proc)
+    raise TimeoutError(f"gateway {variant} did not answer /health within 120 s:\n"
+                       f"{Path(log.name).read_text(errors='replace')[-3000:]}")
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+# ---------------------------------------------------------------------------------------------
+# load generator: raw asyncio HTTP/1.1 with keep-alive, chunked or content-length bodies
+# ---------------------------------------------------------------------------------------------
+class StreamConn(asyncio.Protocol):
+    """One keep-alive connection; ``request`` sends a request and returns (status, ttft_s, events, choices)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.lost: BaseException | None = None
+        self._done: asyncio.Future | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.lost = exc or ConnectionResetError("server closed the connection")
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(self.lost)
+
+    async def request(self, raw: bytes) -> tuple[int, float, int, int]:
+        if self.lost is not None or self.transport is None:
+            raise self.lost or ConnectionError("not connected")
+        self._done = asyncio.get_running_loop().create_future()
+        self._buf = b""
+        self._status = 0
+        self._length: int | None = None  # None: chunked
+        self._in_head = True
+        self._ttft = 0.0
+        self._events = self._choices = 0
+        self._tail = b""
+        self._t0 = time.perf_counter()
+        self.transport.write(raw)
+        return await self._done
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        if self._in_head:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                self._buf = buf
+                return
+            head = buf[:end].lower() + b"\r\n"
+            self._status = int(head[9:12])
+            i = head.find(b"\r\ncontent-length:")
+            self._length = int(head[i + 17:head.find(b"\r\n", i + 2)]) if i >= 0 else None
+            self._in_head = False
+            buf = buf[end + 4:]
+        if self._length is not None:  # an error or non-streamed answer
+            if len(buf) >= self._length:
+                self._finish()
+            else:
+                self._buf = buf
+            return
+        pos = 0
+        while True:
+            nl = buf.find(b"\r\n", pos)
+            if nl < 0:
+                break
+            size = int(buf[pos:nl], 16)
+            if len(buf) < nl + 2 + size + 2:
+                break
+            if size == 0:
+                self._finish()
+                return
+            self._body(buf[nl + 2:nl + 2 + size])
+            pos = nl + 4 + size
+        self._buf = buf[pos:]
+
+    def _body(self, chunk: bytes) -> None:
+        choices = chunk.count(CHOICE_MARKS[0]) + chunk.count(CHOICE_MARKS[1])
+        if choices and not self._choices:
+            self._ttft = time.perf_counter() - self._t0
+        self._choices += choices
+        joined = self._tail + chunk  # a blank line may straddle two chunks
+        self._events += joined.count(b"\n\n")
+        self._tail = b"" if chunk.endswith(b"\n\n") else chunk[-1:]
+
+    def _finish(self) -> None:
+        self._buf = b""
+        if self._done is not None and not self._done.done():
+            self._done.set_result((self._status, self._ttft, self._events, self._choices))
+
+
+def chat_request(host: str, path: str, model: str, max_tokens: int) -> bytes:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
+                       "max_tokens": max_tokens, "stream": True}).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+@dataclass
+class PhaseResult:
+    requests: int = 0
+    errors: int = 0
+    events: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds during the phase
+
+
+async def run_load(url: str, model: str, concurrency: int, duration_s: float, max_tokens: int) -> PhaseResult:
+    loop = asyncio.get_running_loop()
+    hostport = url.removeprefix("http://")
+    host, port = hostport.split(":")
+    path = "/v1/chat/completions"
+    raw = chat_request(hostport, path, model, max_tokens)
+    res = PhaseResult()
+    conns = [(await loop.create_connection(StreamConn, host, int(port)))[1] for _ in range(concurrency)]
+
+    async def worker(conn: StreamConn, deadline: float) -> None:
+        while time.perf_counter() < deadline:
+            try:
+                status, ttft, events, choices = await conn.request(raw)
+            except OSError:
+                res.errors += 1
+                conn = (await loop.create_connection(StreamConn, host, int(port)))[1]
+                continue
+            if status != 200 or not choices:
+                res.errors += 1
+                continue
+            res.requests += 1
+            res.events += events
+            res.tokens += choices
+            res.ttfts.append(ttft)
+        if conn.transport is not None:
+            conn.transport.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(c, t0 + duration_s) for c in conns))
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(method: str, url: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"content-type": "application/json",
+                                          **({"authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def cpu_s(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+def measure(url: str, model: str, concurrency: int, duration_s: float, max_tokens: int,
+            procs: dict[str, psutil.Process]) -> PhaseResult:
+    me = psutil.Process()
+    before = {n: cpu_s(p) for n, p in {**procs, "client": me}.items()}
+    res = asyncio.run(run_load(url, model, concurrency, duration_s, max_tokens))
+    res.cpu = {n: cpu_s(p) - before[n] for n, p in {**procs, "client": me}.items()}
+    return res
+
+
+def summarise(rs: list[PhaseResult], gateway: bool) -> dict[str, float]:
+    def med(f):
+        return statistics.median(f(r) for r in rs)
+
+    out = {
+        "req_s": med(lambda r: r.requests / r.wall_s),
+        "events_s": med(lambda r: r.events / r.wall_s),
+        "tokens_s": med(lambda r: r.tokens / r.wall_s),
+        "ttft_p50_ms": med(lambda r: pct(r.ttfts, 0.5) * 1000),
+        "ttft_p99_ms": med(lambda r: pct(r.ttfts, 0.99) * 1000),
+        "errors": sum(r.errors for r in rs),
+        "client_cores": med(lambda r: r.cpu["client"] / r.wall_s),
+        "fake_cores": med(lambda r: r.cpu["fake"] / r.wall_s),
+    }
+    if gateway:
+        out["gateway_cores"] = med(lambda r: r.cpu["gateway"] / r.wall_s)
+        out["events_per_gw_cpu_s"] = med(lambda r: r.events / max(r.cpu["gateway"], 1e-9))
+        out["gw_cpu_ms_per_1k_tokens"] = med(lambda r: r.cpu["gateway"] * 1000 / max(r.tokens, 1) * 1000)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per phase at --concurrency")
+    ap.add_argument("--ttft-duration", type=float, default=3.0, help="seconds per phase at 1 client (0: skip)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--ttft-ms", type=float, default=0.0, help="the fake engine's time to first token")
+    ap.add_argument("--itl-ms", type=float, default=0.0, help="the fake engine's inter-token latency")
+    ap.add_argument("--variants", default="asyncio:h11,asyncio:httptools,uvloop:httptools",
+                    help="uvicorn loop:http pairs, one gateway process each (lmfleet serve today: asyncio:httptools)")
+    ap.add_argument("--paths", default="provider,local", help="gateway paths to measure (direct always runs)")
+    ap.add_argument("--fleet-tokens-s", type=float, default=50_000.0, help="fleet output rate to size gateways for")
+    ap.add_argument("--profile", type=Path, help="cProfile the first variant's gateway into this file")
+    ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    # child-process mode
+    ap.add_argument("--serve-gateway", help=argparse.SUPPRESS)
+    ap.add_argument("--fake-url", help=argparse.SUPPRESS)
+    ap.add_argument("--loop", default="asyncio", help=argparse.SUPPRESS)
+    ap.add_argument("--http", default="h11", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_gateway:
+        serve_gateway(args.serve_gateway, args.fake_url, args.loop, args.http, args.profile_out)
+        return
+
+    from tests.support.fast_openai_server import FastServer
+
+    args.load_before = ", ".join(f"{x:.1f}" for x in os.getloadavg())  # others' work shares the machine
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    admin_key = "bench-admin"
+    fake_args = ["--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--max-tokens", str(args.max_tokens)]
+    with tempfile.TemporaryDirectory(prefix="bench-relay-") as tmp, FastServer(*fake_args) as fake:
+        fake_ps = psutil.Process(fake.proc.pid)
+        gateways: list[Gateway] = []
+        try:
+            for i, v in enumerate(variants):
+                prof = str(args.profile.resolve()) if args.profile and i == 0 else None
+                gateways.append(start_gateway(Path(tmp), fake.base_url, v, admin_key, prof))
+            # phases: (name, url, model, overflow mode, gateway)
+            phases = [("direct", fake.base_url, "fake-model", None, None)]
+            for gw in gateways:
+                for p in paths:
+                    phases.append((f"{p} [{gw.variant}]", gw.url, "m", "force_on" if p == "provider" else "force_off",
+                                   gw))
+            results: dict[str, dict[int, list[PhaseResult]]] = {name: {} for name, *_ in phases}
+            conc_levels = [args.concurrency] + ([1] if args.ttft_duration > 0 else [])
+            for name, url, model, mode, gw in phases:  # warm every path once (connections, imports, caches)
+                if mode:
+                    http_json("POST", f"{gw.url}/admin/overflow", {"model": "m", "mode": mode}, admin_key)
+                measure(url, model, args.concurrency, 1.0, args.max_tokens, {"fake": fake_ps})
+            for r in range(args.rounds):
+                order = phases if r % 2 == 0 else phases[::-1]  # alternate so that drift hits every path alike
+                for name, url, model, mode, gw in order:
+                    if mode:
+                        code, body = http_json("POST", f"{gw.url}/admin/overflow", {"model": "m", "mode": mode},
+                                               admin_key)
+                        if code != 200:
+                            raise RuntimeError(f"/admin/overflow answered {code}: {body}")
+                    procs = {"fake": fake_ps, **({"gateway": gw.ps} if gw else {})}
+                    for c in conc_levels:
+                        dur = args.duration if c == args.concurrency else args.ttft_duration
+                        res = measure(url, model, c, dur, args.max_tokens, procs)
+                        results[name].setdefault(c, []).append(res)
+                        print(f"round {r + 1} {name:28s} c={c:<3d} {res.requests / res.wall_s:8.1f} req/s "
+                              f"P50 TTFT {pct(res.ttfts, 0.5) * 1000:6.2f} ms  errors {res.errors}", flush=True)
+        finally:
+            for gw in gateways:
+                stop_process(gw.proc)
+    report(args, results, phases)
+
+
+def report(args, results, phases) -> None:
+    c = args.concurrency
+    rows = {name: summarise(results[name][c], gateway=gw is not None) for name, _, _, _, gw in phases}
+    ttft1 = {name: statistics.median(pct(r.ttfts, 0.5) * 1000 for r in results[name][1])
+             for name, *_ in phases if 1 in results[name]}
+    direct = rows["direct"]
+    cpu = os.cpu_count()
+    print()
+    print(f"# bench_relay  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {cpu} cores  "
+          f"{args.rounds} rounds x {args.duration:g} s  {c} concurrent {args.max_tokens}-token chat streams  "
+          f"fake TTFT {args.ttft_ms:g} ms ITL {args.itl_ms:g} ms  load average {args.load_before} -> "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    head = (f"{'path':28s} {'req/s':>7s} {'%direct':>7s} {'events/s':>9s} {'P50 TTFT':>9s} {'P99 TTFT':>9s} "
+            f"{'1-cl P50':>9s} {'+P50':>6s} {'gw cores':>8s} {'ev/gwCPUs':>9s} {'gw ms/1k tok':>12s} "
+            f"{'fake cores':>10s} {'client cores':>12s} {'errs':>4s}")
+    print(head)
+    print("-" * len(head))
+    for name, *_ in phases:
+        s = rows[name]
+        t1 = ttft1.get(name, float("nan"))
+        added = t1 - ttft1.get("direct", float("nan"))
+        gw = "gateway_cores" in s
+        cols = ((f"{added:+5.2f}", f"{s.get('gateway_cores', 0):.2f}", f"{s.get('events_per_gw_cpu_s', 0):.0f}",
+                 f"{s.get('gw_cpu_ms_per_1k_tokens', 0):.1f}") if gw else ("-", "-", "-", "-"))
+        print(f"{name:28s} {s['req_s']:7.1f} {100 * s['req_s'] / direct['req_s']:6.1f}% {s['events_s']:9.0f} "
+              f"{s['ttft_p50_ms']:7.2f}ms {s['ttft_p99_ms']:7.2f}ms {t1:7.2f}ms {cols[0]:>6s} {cols[1]:>8s} "
+              f"{cols[2]:>9s} {cols[3]:>12s} {s['fake_cores']:10.2f} {s['client_cores']:12.2f} {s['errors']:4d}")
+    print()
+    for name, *_ in phases:
+        s = rows[name]
+        if "gateway_cores" not in s:
+            continue
+        cores = args.fleet_tokens_s * s["gw_cpu_ms_per_1k_tokens"] / 1000 / 1000
+        t1 = ttft1.get(name, float("nan")) - ttft1.get("direct", float("nan"))
+        ok_rate = s["req_s"] >= 0.5 * direct["req_s"]
+        ok_ttft = t1 <= 1.0
+        print(f"{name:28s} {args.fleet_tokens_s:,.0f} tok/s fleet needs {cores:5.1f} gateway cores;  "
+              f"targets: >=50% direct req/s {'MET' if ok_rate else 'MISSED'}, "
+              f"<=1 ms added P50 TTFT {'MET' if ok_ttft else 'MISSED'}")
+    if direct["client_cores"] > 0.85:
+        print(f"note: the load generator used {direct['client_cores']:.2f} cores on the direct path: "
+              "direct req/s is a lower bound (the client, not the fake, may be the limit)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "at_concurrency": rows,
+                                        "ttft_p50_ms_1_client": ttft1}, indent=2))
+    if args.profile and args.profile.exists():
+        import pstats
+
+        print(f"\n# gateway profile ({phases[1][0].split('[')[1].rstrip(']')}), top 25 by own time: {args.profile}")
+        pstats.Stats(str(args.profile)).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()

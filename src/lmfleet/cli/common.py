@@ -1,0 +1,33 @@
+"""What every ``lmfleet`` command shares: loading the fleet file and failing with one kind of message.
+
+Errors print ``lmfleet: error: MESSAGE`` on stderr and exit with the command's code (2: bad input or a
+fleet file that does not load, unless a command documents another code).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NoReturn, Optional
+
+import typer
+
+from lmfleet.config import ConfigError, load_config
+from lmfleet.config.models import FleetConfig
+
+__all__ = ["EXIT_USAGE", "fail", "load_or_exit"]
+
+EXIT_USAGE = 2
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """Print ``lmfleet: error: MESSAGE`` on stderr and end the command with exit ``code``."""
+    typer.echo(f"lmfleet: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def load_or_exit(path: Optional[Path]) -> FleetConfig:
+    """Load a fleet file for a command (None: the embedded default); a bad file exits 2 with every problem."""
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        fail(str(e), EXIT_USAGE)

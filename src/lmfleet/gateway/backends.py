@@ -1,0 +1,208 @@
+"""Backends: what one attempt of a request is sent to. Each owns its own state; nothing reaches back.
+
+Two kinds, one protocol (:class:`Backend`)::
+
+    LocalBackend     a model's Ray Serve deployment: load tracker, readiness, cost meter, Serve base URL
+    ProviderBackend  an external OpenAI-compatible provider: breaker, in-flight cap, price, model map, key
+
+The request run (``gateway.run``) drives a backend through one attempt::
+
+    if backend.admit():                        # breaker / caps
+        slot = backend.begin(prompt_tokens)    # counts it in flight
+        ... call backend.endpoint(...) ...
+        backend.first_token(slot)              # streams only
+        backend.finish(slot, output_tokens)    # success
+        | backend.fail(slot, err)              # failed before anything reached the client
+        | backend.break_stream(slot, ...)      # failed mid-stream
+        | backend.cancel(slot)                 # the client went away: neutral
+    cost = backend.charge(input_tokens, output_tokens)
+
+and asks it how often to retry (:meth:`attempts`) and how long to wait between tries (:meth:`backoff_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from lmfleet.config.models import ModelConfig, ProviderConfig
+from lmfleet.gateway.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
+from lmfleet.gateway.health import HealthBoard
+from lmfleet.gateway.upstream import Endpoint, HttpPool
+from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, Reason, backoff_s, external_cost_usd
+from lmfleet.overflow.breaker import Admission
+from lmfleet.provenance import local_label, provider_label
+
+log = logging.getLogger("lmfleet.gateway")
+
+
+class Backend(Protocol):
+    """Something one attempt of a request can be sent to (see the module docstring for the call order)."""
+
+    label: str
+    """Provenance (``local/MODEL``, ``provider/NAME``): the x-lmfleet-served-by header, ledger and metrics label."""
+    fallback_reason: Reason
+    """The route reason a request reports when a later backend serves it after this one failed."""
+
+    def endpoint(self, model: str, *, has_fallback: bool) -> Endpoint: ...
+    def admit(self) -> bool: ...
+    def begin(self, prompt_tokens: int) -> Any: ...
+    def first_token(self, slot: Any) -> None: ...
+    def finish(self, slot: Any, output_tokens: int) -> None: ...
+    def fail(self, slot: Any, err: UpstreamError) -> None: ...
+    def break_stream(self, slot: Any, output_tokens: int, *, timed_out: bool) -> None: ...
+    def cancel(self, slot: Any) -> None: ...
+    def attempts(self, *, last: bool) -> int: ...
+    def backoff_s(self, k: int, last_error: UpstreamError | None) -> float: ...
+    def charge(self, input_tokens: int, output_tokens: int) -> float: ...
+
+
+_DEAD_ENGINE_TEXTS = ("EngineCore encountered an issue", "EngineDeadError", "ActorDiedError")
+"""What a 5xx says when the engine or its replica is gone (vLLM's EngineDeadError message, Ray's actor death):
+the engine's own word, not one request's fault."""
+
+
+def _says_dead(message: str) -> bool:
+    return any(t in message for t in _DEAD_ENGINE_TEXTS)
+
+
+class LocalBackend:
+    """One model's local deployment (Ray Serve), reached through Serve's HTTP front (HAProxy or Serve's proxy)."""
+
+    fallback_reason = Reason.FALLBACK_AFTER_LOCAL_ERROR
+
+    def __init__(self, cfg: ModelConfig, base_url: str, client: HttpPool, tracker: LoadTracker,
+                 health: HealthBoard, meter: LocalCostMeter):
+        self.cfg = cfg
+        self.model = cfg.name
+        self.label = local_label(cfg.name)
+        self.base_url = base_url
+        self.client = client
+        self.tracker = tracker
+        self.health = health
+        self.meter = meter
+
+    def endpoint(self, model: str, *, has_fallback: bool) -> Endpoint:
+        # give up on a slow local first token only when someone else can take the request; otherwise the
+        # retry would just put it at the back of the same queue
+        ftt = self.cfg.overflow.local_first_token_timeout_s if has_fallback else None
+        return Endpoint(self.label, "local deployment", self.base_url, self.model, self.client,
+                        first_token_timeout_s=ftt, total_timeout_s=self.cfg.deployment.request_timeout_s,
+                        not_found_is_transient=True)
+
+    def admit(self) -> bool:
+        return True
+
+    def begin(self, prompt_tokens: int) -> Any:
+        return self.tracker.on_start(prompt_tokens)
+
+    def first_token(self, slot: Any) -> None:
+        self.tracker.on_first_token(slot)
+
+    def finish(self, slot: Any, output_tokens: int) -> None:
+        self.tracker.on_finish(slot, output_tokens=output_tokens, ok=True)
+        self.health.mark_ok(self.model)
+
+    def fail(self, slot: Any, err: UpstreamError) -> None:
+        self.tracker.on_finish(slot, ok=False)
+        # only a dead engine or replica makes the model stop counting as ready; not a slow queue (timeouts), a
+        # redeploying app (404), a 4xx, nor one request that makes the engine answer 500 (see HealthBoard)
+        if isinstance(err, UpstreamUnreachable) or (isinstance(err, UpstreamServerError) and _says_dead(err.message)):
+            self.health.mark_failed(self.model, f"local engine error: {err.message}")
+        elif isinstance(err, UpstreamServerError) and err.status is not None and err.status >= 500 \
+                and err.status != 504:
+            # the request's task identifies it: its retries count once
+            self.health.note_failure(self.model, f"local engine error: {err.message}", asyncio.current_task())
+
+    def break_stream(self, slot: Any, output_tokens: int, *, timed_out: bool) -> None:
+        self.tracker.on_finish(slot, output_tokens=output_tokens, ok=False)
+        if not timed_out:
+            self.health.note_stream_break(self.model, "local stream broke")
+
+    def cancel(self, slot: Any) -> None:
+        self.tracker.on_finish(slot, ok=False)
+
+    def attempts(self, *, last: bool) -> int:
+        # retries go through Serve's router to another (or a restarted) replica; with nowhere else to go, keep
+        # trying a little longer so a lost node does not lose requests that had not started
+        return 4 if last else 2
+
+    def backoff_s(self, k: int, last_error: UpstreamError | None) -> float:
+        return min(0.5 * 2 ** (k - 1), 4.0)
+
+    def charge(self, input_tokens: int, output_tokens: int) -> float:
+        self.meter.record(output_tokens)
+        return self.meter.request_cost_usd(output_tokens)
+
+
+class ProviderBackend:
+    """An external OpenAI-compatible provider, shared by every model its ``model_map`` names."""
+
+    fallback_reason = Reason.FALLBACK_AFTER_PROVIDER_ERROR
+
+    def __init__(self, cfg: ProviderConfig, client: HttpPool, api_key: str | None,
+                 breaker: CircuitBreaker):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.label = provider_label(cfg.name)
+        self.client = client
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.breaker = breaker
+        self.in_flight = 0
+        self._admitted: Admission | None = None  # from admit() to the begin() that follows it at once
+
+    def endpoint(self, model: str, *, has_fallback: bool) -> Endpoint:
+        t = self.cfg.timeouts
+        return Endpoint(self.label, f"provider {self.name}", self.cfg.base_url.rstrip("/"), self.cfg.model_map[model],
+                        self.client, self._headers, first_token_timeout_s=t.first_token_s, total_timeout_s=t.total_s,
+                        idle_timeout_s=t.first_token_s)
+
+    def healthy(self) -> bool:
+        """The breaker lets requests through now (no side effect: see :meth:`admit`)."""
+        return self.breaker.allows()
+
+    def admit(self) -> bool:
+        self._admitted = self.breaker.acquire()
+        return self._admitted is not None
+
+    def begin(self, prompt_tokens: int) -> Any:
+        # the slot is the breaker's admission: only the half-open probe's own success may close the breaker
+        slot, self._admitted = self._admitted, None
+        self.in_flight += 1
+        return slot
+
+    def first_token(self, slot: Any) -> None:
+        pass
+
+    def finish(self, slot: Any, output_tokens: int) -> None:
+        self.in_flight -= 1
+        self.breaker.on_success(ticket=slot)
+
+    def fail(self, slot: Any, err: UpstreamError) -> None:
+        self.in_flight -= 1
+        if isinstance(err, UpstreamRateLimited):
+            self.breaker.on_rate_limited(err.retry_after_s)
+        elif err.retryable:
+            self.breaker.on_failure()
+
+    def break_stream(self, slot: Any, output_tokens: int, *, timed_out: bool) -> None:
+        self.in_flight -= 1
+        self.breaker.on_failure()
+
+    def cancel(self, slot: Any) -> None:
+        self.in_flight -= 1
+        self.breaker.release(slot)  # neutral; a cancelled probe frees the probe slot
+
+    def attempts(self, *, last: bool) -> int:
+        return 1 + (self.cfg.max_retries if last else 0)
+
+    def backoff_s(self, k: int, last_error: UpstreamError | None) -> float:
+        b = self.cfg.breaker
+        wait = backoff_s(k, b.backoff_base_s, b.backoff_cap_s)
+        if last_error is not None and last_error.retry_after_s:
+            wait = max(wait, last_error.retry_after_s)
+        return wait
+
+    def charge(self, input_tokens: int, output_tokens: int) -> float:
+        return external_cost_usd(input_tokens, output_tokens, self.cfg.price)

@@ -1,0 +1,117 @@
+"""``build_gateway``: the one way to assemble a gateway, used by ``lmfleet serve`` and by the tests.
+
+    app = build_gateway(fleet, apps, serve_url="http://127.0.0.1:8001")     # a FastAPI app
+    uvicorn.run(app, ...)                                                    # or httpx.ASGITransport(app)
+
+Tests and benchmarks inject what would otherwise be I/O: ``fetch_status`` (Serve's status; None: every
+model counts as ready), ``fetch_engine_metrics`` (Ray's metrics pages; None: no poller) and
+``load_tokenizer``; backends are real HTTP servers (fakes in tests/unit/gateway_fakes.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+
+from lmfleet.config.models import FleetConfig, GatewayConfig
+from lmfleet.engine.app import ModelApp
+from lmfleet.gateway.access import GatewayConfigError, allowed_hosts, check_exposure, load_keys_from
+from lmfleet.gateway.app import create_app
+from lmfleet.gateway.backends import LocalBackend, ProviderBackend
+from lmfleet.gateway.health import HealthBoard
+from lmfleet.gateway.metrics import GatewayMetrics
+from lmfleet.gateway.pollers import EngineStatsPoller
+from lmfleet.gateway.router import Router, ServedModel
+from lmfleet.gateway.run import Recorder
+from lmfleet.gateway.service import Gateway
+from lmfleet.gateway.tokens import load_tokenizer_or_none
+from lmfleet.gateway.upstream import HttpPool
+from lmfleet.overflow import CircuitBreaker, Ledger, LoadTracker, LocalCostMeter, providers_for
+
+log = logging.getLogger("lmfleet.gateway")
+
+__all__ = ["GatewayConfigError", "build_gateway", "check_gateway_access", "load_api_keys"]
+
+
+def load_api_keys(cfg: GatewayConfig, environ: Mapping[str, str]) -> frozenset[str]:
+    """Client API keys from the configured env var and/or file. Empty only when neither is configured; a
+    configured source that yields no key raises :class:`GatewayConfigError` (auth never turns off silently)."""
+    return load_keys_from(cfg.api_keys_env, cfg.api_keys_file, environ)
+
+
+def check_gateway_access(cfg: GatewayConfig, host: str | None = None,
+                         environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The client keys, after refusing settings that would leave the gateway open by accident (raises
+    :class:`GatewayConfigError`, one line). ``host``: the effective listen address (``--host``), default
+    ``cfg.host``. Cheap: ``lmfleet serve`` can call it before deploying anything."""
+    keys = load_api_keys(cfg, os.environ if environ is None else environ)
+    check_exposure(host or cfg.host, keys, cfg.allow_unauthenticated)
+    return keys
+
+
+def _tokenizer(app: ModelApp) -> Any | None:
+    return load_tokenizer_or_none(app.tokenizer_path, trust_remote_code=app.cfg.engine.trust_remote_code)
+
+
+def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, host: str | None = None,
+                  environ: Mapping[str, str] | None = None,
+                  fetch_status: Callable[[], dict[str, Any]] | None = None,
+                  fetch_engine_metrics: Callable[[], list[str]] | None = None,
+                  load_tokenizer: Callable[[ModelApp], Any | None] = _tokenizer) -> FastAPI:
+    """Assemble the gateway for ``apps`` (the fleet's resolved models) served behind ``serve_url``.
+
+    ``host``: the address it will listen on (default ``gateway.host``), for the exposure check and the trusted
+    Host names. Raises :class:`GatewayConfigError` on settings that would leave it open (see
+    :func:`check_gateway_access`).
+    """
+    environ = os.environ if environ is None else environ
+    host = host or fleet.gateway.host
+    api_keys = check_gateway_access(fleet.gateway, host, environ)
+    metrics = GatewayMetrics()
+    health = HealthBoard({a.name: a.app_name for a in apps}, fetch_status, fleet.gateway.health_poll_s)
+
+    providers: dict[str, ProviderBackend] = {}
+    for p in fleet.providers:
+        key = environ.get(p.api_key_env) if p.api_key_env else None
+        if p.api_key_env and not key:
+            log.warning("provider %s: environment variable %s is not set; sending no API key", p.name, p.api_key_env)
+        client = HttpPool(max_connections=p.max_concurrency or 1000, connect_timeout_s=p.timeouts.connect_s)
+        providers[p.name] = ProviderBackend(p, client, key, CircuitBreaker.from_config(p.breaker))
+
+    # one keep-alive pool to Serve's HTTP front for every model, sized to the fleet (excess waits for a connection)
+    local_client = HttpPool(max_connections=max(256, 4 * sum(a.capacity for a in apps)), connect_timeout_s=5.0)
+    models: dict[str, ServedModel] = {}
+    for a in apps:
+        c = a.cfg
+        tracker = LoadTracker(a.capacity, window_s=c.overflow.signal_window_s)
+        meter = LocalCostMeter(a.hourly_cost_usd, window_s=c.cost.attribution_window_s,
+                               min_tokens_per_hour=c.cost.min_output_tokens_per_hour)
+        models[a.name] = ServedModel(
+            app=a, tokenizer=load_tokenizer(a),
+            local=LocalBackend(c, a.base_url(serve_url), local_client, tracker, health, meter),
+            providers=[providers[p.name] for p in providers_for(c, fleet.providers)],
+            threshold_ms=a.threshold_ms)
+
+    path = Path(fleet.ledger.path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(path)
+    engine_stats = None
+    if fetch_engine_metrics is not None and fleet.gateway.engine_metrics_poll_s > 0:
+        engine_stats = EngineStatsPoller({n: m.local.tracker for n, m in models.items()}, fetch_engine_metrics,
+                                         fleet.gateway.engine_metrics_poll_s)
+    admin_key = environ.get(fleet.gateway.admin_key_env) if fleet.gateway.admin_key_env else None
+    gw = Gateway(router=Router(models, fleet.budget, ledger, metrics), recorder=Recorder(metrics, ledger, set(models)),
+                 health=health, metrics=metrics, providers=providers,
+                 clients=[local_client, *(p.client for p in providers.values())],
+                 api_keys=api_keys, admin_key=admin_key or None,
+                 engine_stats=engine_stats)
+    trusted = allowed_hosts(host, fleet.gateway.allowed_hosts)
+    if trusted is None and fleet.gateway.allowed_hosts is None:
+        log.info("gateway: listening on %s, so every Host header is accepted; set gateway.allowed_hosts to "
+                 "restrict them", host)
+    return create_app(gw, fleet.gateway, trusted_hosts=trusted)

@@ -1,0 +1,355 @@
+"""One request's run: try the planned backends in order, relay the answer, record the outcome.
+
+    run = RequestRun(model, req, path, plan, prompt_tokens, t0, recorder)
+    return await (run.stream() if req.stream else run.unary())
+
+A failure before anything reached the client moves on to the next attempt (the same backend again per
+its retry schedule, then the next backend); after the first streamed byte it ends the stream with an
+explicit error event. The run talks to backends and the recorder only; nothing calls back into the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from lmfleet.gateway import sse
+from lmfleet.gateway.backends import Backend
+from lmfleet.gateway.errors import GatewayError, UpstreamError, UpstreamMisconfigured, UpstreamRateLimited
+from lmfleet.gateway.metrics import GatewayMetrics
+from lmfleet.gateway.router import Plan, ServedModel
+from lmfleet.gateway.upstream import STREAM_ERRORS, Endpoint, OpenStream, complete, open_stream
+from lmfleet.gateway.validation import ParsedRequest
+from lmfleet.overflow import Ledger, Reason
+
+log = logging.getLogger("lmfleet.gateway")
+
+SERVED_BY = "x-lmfleet-served-by"
+ROUTE_REASON = "x-lmfleet-route-reason"
+QUEUE_ESTIMATE = "x-lmfleet-queue-estimate-ms"
+
+T = TypeVar("T")
+
+CANCELLED = 499
+"""Status recorded (metrics, ledger) for a request whose client went away before it was answered."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one served request cost and how it went, for metrics and the ledger."""
+
+    served_by: str
+    reason: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    status: int = 200
+
+
+class Recorder:
+    """Metrics and the cost ledger of finished requests. Ledger rows are written off the event loop, in order."""
+
+    def __init__(self, metrics: GatewayMetrics, ledger: Ledger | None, model_names: set[str]):
+        self.metrics = metrics
+        self.ledger = ledger
+        self._model_names = model_names
+        self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._writer: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self.ledger is not None and self._writer is None:
+            self._writer = asyncio.create_task(self._write())
+
+    async def flush(self) -> None:
+        """Wait until the rows of every finished request are in the ledger."""
+        if self._writer is not None:
+            await self._queue.join()
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            await self._queue.join()
+            self._writer.cancel()
+
+    async def _write(self) -> None:
+        assert self.ledger is not None
+        while True:
+            row = await self._queue.get()
+            try:
+                await asyncio.to_thread(self.ledger.record, **row)
+            except Exception as e:  # a full disk must not take the gateway down
+                log.error("ledger write failed: %s", e)
+            finally:
+                self._queue.task_done()
+
+    def count_error(self, model: str | None, status: int) -> None:
+        """An error answer that never reached a backend (validation, routing, give-up)."""
+        label = model if model in self._model_names else "unknown"  # arbitrary names must not blow up cardinality
+        self.metrics.errors.labels(label, str(status)).inc()
+        self.metrics.requests.labels(label, "none", str(status)).inc()
+
+    def record(self, model: str, backend: Backend, o: Outcome, latency_s: float) -> None:
+        labels = (model, o.served_by)
+        m = self.metrics
+        m.requests.labels(model, o.served_by, str(o.status)).inc()
+        m.latency.labels(*labels).observe(latency_s)
+        if o.ttft_s is not None:
+            m.ttft.labels(*labels).observe(o.ttft_s)
+        m.tokens.labels(*labels, "input").inc(o.input_tokens)
+        m.tokens.labels(*labels, "output").inc(o.output_tokens)
+        if o.status != 200:
+            m.errors.labels(model, str(o.status)).inc()
+        cost = backend.charge(o.input_tokens, o.output_tokens)
+        m.cost.labels(*labels).inc(cost)
+        if self.ledger is not None:
+            self._queue.put_nowait(dict(
+                model=model, served_by=o.served_by, route_reason=o.reason, input_tokens=o.input_tokens,
+                output_tokens=o.output_tokens, status=o.status, cost_usd=cost, latency_ms=latency_s * 1000,
+                ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None))
+
+
+class RelayResponse(Response):
+    """A streamed answer: every block the relay yields is one ASGI send, and a client that goes away cancels the
+    relay (and with it the upstream call). Starlette's StreamingResponse does the same through an anyio task
+    group per response, which cost a noticeable share of the gateway's CPU (benchmarks/bench_relay.py)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str]):
+        self.body_iterator = body
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relay = asyncio.current_task()
+        assert relay is not None
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            relay.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for block in self.body_iterator:
+                await send({"type": "http.response.body", "body": block, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone.is_set():
+                raise
+            relay.uncancel()  # the client left: nothing more to do
+        finally:
+            watcher.cancel()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class RequestRun:
+    """One request across its attempts (the plan's backends, tried in order)."""
+
+    def __init__(self, model: ServedModel, req: ParsedRequest, path: str, plan: Plan, prompt_tokens: int,
+                 t0: float, recorder: Recorder):
+        self.m, self.req, self.path, self.plan = model, req, path, plan
+        self.prompt_tokens, self.t0, self.recorder = prompt_tokens, t0, recorder
+        self.deadline = t0 + model.app.cfg.deployment.request_timeout_s
+        self.reason: Reason = plan.reason
+        self.last_error: UpstreamError | None = None
+
+    # ---- answers -----------------------------------------------------------------------------
+    async def unary(self) -> Response:
+        b, slot, (raw, obj) = await self._first_success(lambda ep: complete(ep, self.path, self.req.body))
+        finished = False
+        try:
+            usage = sse.usage_of(obj) or (self.prompt_tokens, 0)
+            if obj.get("model") != self.req.model:  # a provider's own model name never reaches the client
+                obj["model"] = self.req.model
+                raw = json.dumps(obj).encode()
+            b.finish(slot, usage[1])
+            finished = True
+        finally:
+            if not finished:  # whatever went wrong, the slot is freed
+                b.cancel(slot)
+        self._record(b, Outcome(b.label, self.reason.value, usage[0], usage[1]))
+        return Response(raw, media_type="application/json", headers=self._headers(b))
+
+    async def stream(self) -> Response:
+        b, slot, st = await self._first_success(lambda ep: open_stream(ep, self.path, self.req.body))
+        ttft = time.monotonic() - self.t0
+        b.first_token(slot)
+        return RelayResponse(self._relay(st, b, slot, ttft), headers={**self._headers(b), "cache-control": "no-cache"})
+
+    # ---- attempts ----------------------------------------------------------------------------
+    def _tries(self) -> Iterator[tuple[Backend, int, bool, bool]]:
+        """(backend, attempt number, has a later backend, is the very last attempt) in order."""
+        backends = self.plan.backends
+        for i, b in enumerate(backends):
+            later = i < len(backends) - 1
+            n = b.attempts(last=not later)
+            for k in range(n):
+                yield b, k, later, not later and k == n - 1
+
+    async def _first_success(self, call: Callable[[Endpoint], Awaitable[T]]) -> tuple[Backend, Any, T]:
+        """Try attempts in order until ``call`` succeeds; returns (backend, its slot, the result).
+
+        Only failures before anything reached the client come here, so every one may move on.
+        """
+        for b, k, later, final in self._tries():
+            if k > 0:
+                await asyncio.sleep(min(b.backoff_s(k, self.last_error), self._remaining()))
+            if self._remaining() <= 0:
+                break
+            if not b.admit():
+                continue
+            slot = b.begin(self.prompt_tokens)
+            try:
+                return b, slot, await call(b.endpoint(self.req.model, has_fallback=later).within(self._remaining()))
+            except UpstreamError as e:
+                b.fail(slot, e)
+                self._failed(b, e, k + 1, more=not final)
+                if not e.retryable:
+                    break
+            except BaseException:  # the client went away (cancellation): free the slot, the upstream call is closed
+                b.cancel(slot)
+                self._record(b, Outcome(b.label, self.reason.value, self.prompt_tokens, 0, None, CANCELLED))
+                raise
+        raise self._give_up()
+
+    def _failed(self, b: Backend, e: UpstreamError, attempt_no: int, more: bool) -> None:
+        self.last_error = e
+        log.warning("model %s: %s attempt %d failed: %s%s", self.m.name, b.label, attempt_no, e.message,
+                    " (trying next target)" if more else "")
+        self.recorder.metrics.upstream_failures.labels(b.label, type(e).__name__).inc()
+        if e.retryable:
+            self.recorder.metrics.retries.labels(self.m.name, b.label).inc()
+        self.reason = b.fallback_reason
+
+    def _give_up(self) -> GatewayError:
+        e, name = self.last_error, self.m.name
+        if self._remaining() <= 0:
+            return GatewayError(504, f"Request to {name!r} timed out after "
+                                     f"{self.m.app.cfg.deployment.request_timeout_s:g} s.", code="timeout")
+        if e is not None and not e.retryable and e.status is not None:
+            return GatewayError(e.status, e.message, code="upstream_rejected")
+        if isinstance(e, UpstreamMisconfigured):  # the provider's own auth/model message is not for the client
+            return GatewayError(502, f"Model {name!r} could not be served: an external provider refused the "
+                                     "gateway's credentials or model mapping, and no other backend could take "
+                                     "the request. The operator has been alerted (lmfleet_upstream_failures).",
+                                code="upstream_misconfigured")
+        if isinstance(e, UpstreamRateLimited):
+            retry = str(max(1, int(e.retry_after_s or 1)))
+            return GatewayError(429, f"Model {name!r} is rate limited by every backend: {e.message}",
+                                code="rate_limited", headers={"retry-after": retry})
+        why = e.message if e else "no backend available"
+        local = self.m.local.health.models.get(name)
+        return GatewayError(503, f"Model {name!r} is unavailable: {why}. "
+                                 f"Local deployment: {local.message if local else 'unknown'}.",
+                            code="model_unavailable", headers={"retry-after": "5"})
+
+    def _remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    # ---- relay -------------------------------------------------------------------------------
+    async def _relay(self, st: OpenStream, b: Backend, slot: Any, ttft: float) -> AsyncIterator[bytes]:
+        """Relay the stream: what arrives together goes out together, as the backend's own bytes.
+
+        Most reads (a local model's token events) pass through untouched after a few substring scans; only
+        a read that carries the usage event, an error event, or a provider's own model name is parsed.
+        """
+        usage: tuple[int, int] | None = None
+        chunks = 0
+        done = False
+        status = 200
+        rename = st.endpoint.upstream_model != self.req.model
+        try:
+            async with asyncio.timeout(max(0.0, self._remaining())):
+                async for batch in st.batches():
+                    block = batch[0] if len(batch) == 1 else b"".join(batch)
+                    if rename or b'"usage"' in block or b'"error"' in block:
+                        block, n, usage, done, failed = self._rewrite(batch, usage, done, rename)
+                        if failed:
+                            status = 502
+                    else:
+                        n = sse.count_choices(block)
+                        done = done or sse.DONE in block
+                    chunks += n
+                    if block:  # one write, no waiting for more
+                        yield block
+            if not done and status == 200:
+                status = 502
+                yield sse.error_event(f"the stream from {b.label} ended without [DONE] after {chunks} chunks",
+                                      code="upstream_truncated")
+        except TimeoutError:
+            status = 504
+            yield sse.error_event(f"request exceeded {self.m.app.cfg.deployment.request_timeout_s:g} s",
+                                  code="timeout")
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream: neutral, recorded
+            status = CANCELLED
+            raise
+        except STREAM_ERRORS as ex:
+            status = 502
+            log.warning("model %s: stream from %s broke after %d chunks: %s", self.m.name, b.label, chunks,
+                        type(ex).__name__)
+            yield sse.error_event(f"the stream from {b.label} broke after {chunks} chunks ({type(ex).__name__})",
+                                  code="upstream_stream_error")
+        finally:
+            await st.aclose()
+            out_tokens = usage[1] if usage else chunks
+            in_tokens = usage[0] if usage else self.prompt_tokens
+            if status == 200:
+                b.finish(slot, out_tokens)
+            elif status == CANCELLED:
+                b.cancel(slot)
+            else:
+                b.break_stream(slot, out_tokens, timed_out=status == 504)
+            self._record(b, Outcome(b.label, self.reason.value, in_tokens, out_tokens, ttft, status))
+
+    def _rewrite(self, batch: list[bytes], usage: tuple[int, int] | None, done: bool,
+                 rename: bool) -> tuple[bytes, int, tuple[int, int] | None, bool, bool]:
+        """The slow path, event by event: read usage (and drop it unless the client asked), put the client's
+        model name back, notice errors. Returns (bytes to send, choice events, usage, done, failed)."""
+        out = []
+        chunks = 0
+        failed = False
+        for e in batch:
+            if b'"usage":{' in e or b'"usage": {' in e:
+                obj = sse.event_json(e)
+                usage = sse.usage_of(obj) or usage
+                if not self.req.wants_usage and obj is not None:
+                    if not obj.get("choices"):
+                        continue
+                    obj.pop("usage", None)
+                    e = _event(obj)
+            if rename and b'"model":' in e:
+                obj = sse.event_json(e)
+                if obj is not None:
+                    obj["model"] = self.req.model
+                    e = _event(obj)
+            if sse.has_choices(e):
+                chunks += 1
+            elif sse.is_done(e):
+                done = True
+            elif b'"error"' in e and (obj := sse.event_json(e)) is not None and "error" in obj:
+                failed = True
+            out.append(e)
+        return b"".join(out), chunks, usage, done, failed
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def _headers(self, b: Backend) -> dict[str, str]:
+        return {SERVED_BY: b.label, ROUTE_REASON: self.reason.value, QUEUE_ESTIMATE: f"{self.plan.estimate_ms:.0f}"}
+
+    def _record(self, b: Backend, o: Outcome) -> None:
+        self.recorder.record(self.m.name, b, o, time.monotonic() - self.t0)
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,52 @@
+"""The gateway's parts, assembled once by :func:`lmfleet.gateway.build.build_gateway`, and their lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from lmfleet.gateway.backends import ProviderBackend
+from lmfleet.gateway.health import HealthBoard
+from lmfleet.gateway.metrics import GatewayMetrics
+from lmfleet.gateway.pollers import EngineStatsPoller
+from lmfleet.gateway.router import Router
+from lmfleet.gateway.run import Recorder
+from lmfleet.gateway.upstream import HttpPool
+
+
+@dataclass
+class Gateway:
+    """Everything one gateway process holds: routing state, backends, health, metrics, ledger."""
+
+    router: Router
+    recorder: Recorder
+    health: HealthBoard
+    metrics: GatewayMetrics
+    providers: dict[str, ProviderBackend]
+    clients: list[HttpPool]
+    api_keys: frozenset[str]
+    """Client API keys; empty: /v1 is open."""
+    admin_key: str | None
+    """None: the admin API is disabled."""
+    engine_stats: EngineStatsPoller | None = None
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def models(self):
+        return self.router.models
+
+    def start(self) -> None:
+        """Start the background work (ledger writer, health and engine-metrics pollers) on the running loop."""
+        self.recorder.start()
+        for c in self.clients:
+            c.open()
+        self._tasks.append(asyncio.create_task(self.health.run()))
+        if self.engine_stats is not None:
+            self._tasks.append(asyncio.create_task(self.engine_stats.run()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.recorder.close()
+        for c in self.clients:
+            await c.close()

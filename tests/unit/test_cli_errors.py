@@ -1,0 +1,35 @@
+"""Every command fails the same way: ``lmfleet: error: MESSAGE`` on stderr and its documented exit code."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from lmfleet.cli.main import app
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "bad.yaml").write_text("models: []\n")
+    (tmp_path / "ok.yaml").write_text("models: [{name: m, source: builtin:tiny-random}]\n")
+    return tmp_path
+
+
+# (argv with {tmp}, exit code, text in the message)
+CASES = [
+    (["config", "validate", "{tmp}/bad.yaml"], 2, "bad.yaml"),
+    (["check", "-c", "{tmp}/bad.yaml", "--offline"], 2, "bad.yaml"),
+    (["check", "-c", "{tmp}/ok.yaml", "--offline", "--gpu", "tpu"], 2, "--gpu: unknown GPU"),
+    (["usage", "--ledger", "{tmp}/none.sqlite"], 1, "no ledger at"),
+    (["usage", "--ledger", "{tmp}/ok.yaml", "--since", "yesterday"], 2, "expected a duration"),
+    (["cluster", "status", "-c", "{tmp}/bad.yaml"], 2, "bad.yaml"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "--model", "m", "--users", "2", "--rate", "1"], 2,
+     "not both"),
+]
+
+
+@pytest.mark.parametrize("argv, code, needle", CASES, ids=[" ".join(c[0][:2]) + f" {c[1]}" for c in CASES])
+def test_cli_errors_share_one_form(files, argv, code, needle):
+    r = CliRunner().invoke(app, [a.format(tmp=files) for a in argv])
+    assert r.exit_code == code, r.output
+    assert "lmfleet: error: " in r.stderr and needle in r.stderr, r.stderr

@@ -1,0 +1,74 @@
+"""One precedence for where Ray is: --address, RAY_ADDRESS, cluster.address, else none (a local head)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmfleet.cluster.connect import LocalHead, describe, resolve_ray_address
+from lmfleet.config import parse_config
+
+
+def fleet(address=None):
+    cluster = {"address": address} if address else {}
+    return parse_config({"cluster": cluster, "models": [{"name": "m", "source": "builtin:tiny-random"}]})
+
+
+@pytest.mark.parametrize("cli, env, file, expected", [
+    ("cli:6379", "env:6379", "file:6379", "cli:6379"),
+    (None, "env:6379", "file:6379", "env:6379"),
+    (None, None, "file:6379", "file:6379"),
+    (None, None, None, None),
+    ("", "  ", "file:6379", "file:6379"),  # empty values do not count
+    (" cli:6379 ", None, None, "cli:6379"),
+    ("auto", "env:6379", None, "auto"),
+])
+def test_resolve_ray_address(cli, env, file, expected):
+    environ = {"RAY_ADDRESS": env} if env is not None else {}
+    assert resolve_ray_address(cli, fleet(file), environ) == expected
+
+
+def test_resolve_without_a_fleet():
+    assert resolve_ray_address(None, None, {}) is None
+    assert resolve_ray_address(None, None, {"RAY_ADDRESS": "h:1"}) == "h:1"
+
+
+@pytest.mark.parametrize("address, local, text", [
+    ("10.0.0.1:6379", None, "Ray cluster at 10.0.0.1:6379"),
+    (None, LocalHead(num_cpus=2), "a local Ray head"),
+    (None, None, "the Ray cluster running on this machine"),
+])
+def test_describe(address, local, text):
+    assert describe(address, local) == text
+
+
+def test_connect_starts_a_head_with_our_environment(monkeypatch):
+    import ray
+
+    from lmfleet.cluster import connect as mod
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("LMFLEET_TEST_FLAG", raising=False)
+    assert mod.connect(None, local=LocalHead(num_cpus=3, env={"LMFLEET_TEST_FLAG": "1"})) is True
+    import os
+
+    assert os.environ["LMFLEET_TEST_FLAG"] == "1"
+    assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 3 and calls[0]["include_dashboard"] is False
+    monkeypatch.delenv("LMFLEET_TEST_FLAG")
+
+
+@pytest.mark.parametrize("address, env_vars, expected_address, runtime_env", [
+    ("h:6379", {"A": "1"}, "h:6379", {"env_vars": {"A": "1"}}),
+    ("h:6379", None, "h:6379", None),
+    (None, None, "auto", None),
+])
+def test_connect_joins(monkeypatch, address, env_vars, expected_address, runtime_env):
+    import ray
+
+    from lmfleet.cluster import connect as mod
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    assert mod.connect(address, env_vars=env_vars) is False
+    assert calls[0]["address"] == expected_address
+    assert calls[0].get("runtime_env") == runtime_env

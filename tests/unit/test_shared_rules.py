@@ -1,0 +1,86 @@
+"""The rules kept in one place: provenance labels, money in nano-dollars, the tokenizer loader."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmfleet.models.tokenizer import TokenizerLoadError, load_tokenizer
+from lmfleet.overflow import ledger, served_by_local, served_by_provider
+from lmfleet.overflow.money import NUSD_PER_USD, nusd_to_usd, usd_to_nusd
+from lmfleet.provenance import Kind, is_external, local_label, parse_label, provider_label
+
+
+@pytest.mark.parametrize("label, kind, name, external", [
+    ("local/smollm2", Kind.LOCAL, "smollm2", False),
+    ("provider/acme", Kind.PROVIDER, "acme", True),
+    ("provider/with/slash", Kind.PROVIDER, "with/slash", True),  # only the first slash separates
+    ("local/org/model", Kind.LOCAL, "org/model", False),
+])
+def test_labels_round_trip(label, kind, name, external):
+    assert parse_label(label) == (kind, name)
+    assert (local_label if kind is Kind.LOCAL else provider_label)(name) == label
+    assert is_external(label) is external
+
+
+@pytest.mark.parametrize("label", ["smollm2", "local/", "provider/", "remote/x", "", "Provider/x"])
+def test_other_labels_are_refused(label):
+    with pytest.raises(ValueError, match="neither local/MODEL nor provider/NAME"):
+        parse_label(label)
+
+
+def test_ledger_names_are_the_provenance_rule():
+    assert served_by_local is local_label and served_by_provider is provider_label
+    assert ledger.usd_to_nusd is usd_to_nusd
+
+
+@pytest.mark.parametrize("usd, nusd", [
+    (0.0, 0), (1.0, NUSD_PER_USD), (0.000013, 13_000), (1e-10, 0), (6e-10, 1), (0.6, 600_000_000),
+    (123.456789012, 123_456_789_012),
+])
+def test_usd_nusd(usd, nusd):
+    assert usd_to_nusd(usd) == nusd and isinstance(usd_to_nusd(usd), int)
+    assert nusd_to_usd(nusd) == pytest.approx(usd, abs=5e-10)
+
+
+def test_rolling_sums_are_exact_in_nano_dollars():
+    """1.8 - 0.4 - 0.4 is 1.0000000000000002 in floats; in nano-dollars it is exact."""
+    assert nusd_to_usd(usd_to_nusd(1.8) - usd_to_nusd(0.4) - usd_to_nusd(0.4)) == 1.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                                        special_tokens=["<eos>"]))
+    folder = tmp_path_factory.mktemp("tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
+    return folder
+
+
+def test_load_tokenizer_from_a_folder(tokenizer_dir):
+    tok = load_tokenizer(str(tokenizer_dir))
+    assert tok.eos_token == "<eos>" and tok.encode("hello world")
+
+
+@pytest.mark.parametrize("location, local_only, needle", [
+    ("{tmp}/missing", True, "offline"),
+    ("{tmp}", True, "offline"),  # a folder without tokenizer files
+    ("no-such-org/no-such-model-xyz", True, "no-such-org/no-such-model-xyz"),  # a hub id, offline
+])
+def test_load_tokenizer_failures_are_one_error(tmp_path, location, local_only, needle):
+    with pytest.raises(TokenizerLoadError, match="cannot load a tokenizer from") as info:
+        load_tokenizer(location.format(tmp=tmp_path), local_files_only=local_only)
+    assert needle in str(info.value) and info.value.__cause__ is not None
+
+
+def test_bench_uses_the_loader(tokenizer_dir, tmp_path):
+    from lmfleet.bench.runner import load_bench_tokenizer
+    from lmfleet.bench.workload import BenchInputError
+
+    assert load_bench_tokenizer(str(tokenizer_dir), trust_remote_code=True).eos_token == "<eos>"
+    with pytest.raises(BenchInputError, match="cannot load tokenizer"):
+        load_bench_tokenizer(str(tmp_path / "missing"))
