@@ -403,7 +403,12 @@ async def _serve(app):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    from lmfleet.config.models import GatewayConfig
+    from lmfleet.gateway.server import uvicorn_options
+
+    # the server options lmfleet serve uses (head deadline, keep-alive, connection cap)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                           **uvicorn_options(GatewayConfig())))
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.02)
@@ -442,3 +447,27 @@ async def test_client_disconnect_over_real_http_cancels_and_frees_the_slot(tmp_p
     finally:
         server.should_exit = True
         await task
+
+
+async def test_budget_cap_is_exact_under_200_concurrent_paid_requests(tmp_path):
+    """Each request reserves its worst case before it is sent: a cap that fits 10 admits exactly 10, however many
+    arrive at once (the rest stay local), and what was spent stays under the cap."""
+    import asyncio
+
+    async def slow_provider(req):
+        await asyncio.sleep(2)  # every reservation is taken before the first one settles
+        return httpx.Response(200, json=chat_json(json.loads(req.content)["model"], "Remote."))
+
+    body = {**CHAT, "max_tokens": 8}
+    worst_usd = (7 * 1.0 + 8 * 2.0) / 1e6  # 7 prompt tokens (the fakes' tokenizer), prices 1 $/1M in, 2 $/1M out
+    app = make_gateway(tmp_path, ok_local, {"p": slow_provider}, extra={"budget": {"hourly_usd": 10.5 * worst_usd}})
+    c = await _client(app)
+    await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
+    answers = await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(200)))
+    assert all(r.status_code == 200 for r in answers)
+    served = [r.headers["x-lmfleet-served-by"] for r in answers]
+    assert served.count("provider/p") == 10 and served.count("local/m") == 190
+    usage = (await c.get("/admin/usage", headers={"authorization": "Bearer adm"})).json()
+    by = {row["served_by"]: row for row in usage["rows"]}
+    assert by["provider/p"]["requests"] == 10 and by["provider/p"]["cost_usd"] <= 10.5 * worst_usd
+    assert app.state.gateway.providers["p"].in_flight == 0

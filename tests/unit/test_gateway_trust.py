@@ -367,25 +367,25 @@ def _provider(clock):
     return p, UpstreamServerError("boom", status=500)
 
 
-def test_a_long_stream_from_before_opening_does_not_close_the_breaker():
+async def test_a_long_stream_from_before_opening_does_not_close_the_breaker():
+    from lmfleet.gateway.backends import Ask
     from lmfleet.overflow import BreakerState
 
     t = [0.0]
     p, err = _provider(lambda: t[0])
-    assert p.admit()
-    long_stream = p.begin(10)  # admitted while closed
+    ask = Ask("r", 10, None, None, None)
+    long_stream = await p.acquire(ask)  # admitted while closed
     for _ in range(2):
-        assert p.admit()
-        p.fail(p.begin(10), err)
-    assert p.breaker.state() is BreakerState.OPEN
+        p.fail(await p.acquire(ask), err)
+    assert p.breaker.state() is BreakerState.OPEN and await p.acquire(ask) is None
     t[0] = 10.0
-    assert p.admit()
-    probe = p.begin(10)
+    probe = await p.acquire(ask)
+    assert probe is not None and await p.acquire(ask) is None  # one probe at a time
     p.finish(long_stream, 100)  # ends during half-open: proves nothing about now
     assert p.breaker.state() is BreakerState.HALF_OPEN
     p.cancel(probe)  # the client went away: neutral, and the probe slot is free again
-    assert p.breaker.state() is BreakerState.HALF_OPEN and p.admit()
-    p.finish(p.begin(10), 5)  # the new probe's success closes it
+    assert p.breaker.state() is BreakerState.HALF_OPEN
+    p.finish(await p.acquire(ask), 5)  # the new probe's success closes it
     assert p.breaker.state() is BreakerState.CLOSED and p.in_flight == 0
 
 

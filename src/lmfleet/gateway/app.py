@@ -157,9 +157,9 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
             if kind == "chat":
                 check_content_parts(body["messages"], model.app.cfg.content_parts)
             check_size(req, model.app.max_model_len)
-            prompt_tokens = await model.prompt_tokens(req)
+            size = await model.prompt_size(req)
             plan = await gw.router.route(model)
-            run = RequestRun(model, req, path, plan, prompt_tokens or 0, t0, gw.recorder)
+            run = RequestRun(model, req, path, plan, size, t0, gw.recorder)
             return await _unless_client_leaves(request, run.stream() if req.stream else run.unary())
         except GatewayError as e:
             gw.recorder.count_error(model_name, e.status)

@@ -7,8 +7,7 @@ Two kinds, one protocol (:class:`Backend`)::
 
 The request run (``gateway.run``) drives a backend through one attempt::
 
-    if backend.admit():                        # breaker / caps
-        slot = backend.begin(prompt_tokens)    # counts it in flight
+    slot = await backend.acquire(ask)          # admission (breaker, caps, budget) + counted in flight; None: skip
         ... call backend.endpoint(...) ...
         backend.first_token(slot)              # streams only
         backend.finish(slot, output_tokens)    # success
@@ -24,17 +23,42 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lmfleet.config.models import ModelConfig, ProviderConfig
+from lmfleet.gateway.budget import BudgetGuard
 from lmfleet.gateway.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
 from lmfleet.gateway.health import HealthBoard
 from lmfleet.gateway.upstream import Endpoint, HttpPool
+from lmfleet.overflow.store import Reservation
 from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, Reason, backoff_s, external_cost_usd
 from lmfleet.overflow.breaker import Admission
 from lmfleet.provenance import local_label, provider_label
 
 log = logging.getLogger("lmfleet.gateway")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What admission needs to know of one attempt."""
+
+    request_id: str
+    prompt_tokens: int
+    """The count or an estimate (for the load tracker)."""
+    prompt_upper: int | None
+    """Never below the real count (None: unknown): what a budget reservation holds for."""
+    max_tokens: int | None
+    max_model_len: int | None
+
+
+@dataclass
+class ProviderSlot:
+    """A provider attempt in flight: the breaker's admission (only the half-open probe's own success may close
+    the breaker) and the budget it holds (None: no caps configured)."""
+
+    admission: Admission
+    reservation: Reservation | None = None
 
 
 class Backend(Protocol):
@@ -46,8 +70,7 @@ class Backend(Protocol):
     """The route reason a request reports when a later backend serves it after this one failed."""
 
     def endpoint(self, model: str, *, has_fallback: bool) -> Endpoint: ...
-    def admit(self) -> bool: ...
-    def begin(self, prompt_tokens: int) -> Any: ...
+    async def acquire(self, ask: Ask) -> Any | None: ...
     def first_token(self, slot: Any) -> None: ...
     def finish(self, slot: Any, output_tokens: int) -> None: ...
     def fail(self, slot: Any, err: UpstreamError) -> None: ...
@@ -91,11 +114,8 @@ class LocalBackend:
                         first_token_timeout_s=ftt, total_timeout_s=self.cfg.deployment.request_timeout_s,
                         not_found_is_transient=True)
 
-    def admit(self) -> bool:
-        return True
-
-    def begin(self, prompt_tokens: int) -> Any:
-        return self.tracker.on_start(prompt_tokens)
+    async def acquire(self, ask: Ask) -> Any | None:
+        return self.tracker.on_start(ask.prompt_tokens)
 
     def first_token(self, slot: Any) -> None:
         self.tracker.on_first_token(slot)
@@ -142,15 +162,15 @@ class ProviderBackend:
     fallback_reason = Reason.FALLBACK_AFTER_PROVIDER_ERROR
 
     def __init__(self, cfg: ProviderConfig, client: HttpPool, api_key: str | None,
-                 breaker: CircuitBreaker):
+                 breaker: CircuitBreaker, budget: BudgetGuard | None = None):
         self.cfg = cfg
+        self.budget = budget
         self.name = cfg.name
         self.label = provider_label(cfg.name)
         self.client = client
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.breaker = breaker
         self.in_flight = 0
-        self._admitted: Admission | None = None  # from admit() to the begin() that follows it at once
 
     def endpoint(self, model: str, *, has_fallback: bool) -> Endpoint:
         t = self.cfg.timeouts
@@ -159,28 +179,37 @@ class ProviderBackend:
                         idle_timeout_s=t.first_token_s)
 
     def healthy(self) -> bool:
-        """The breaker lets requests through now (no side effect: see :meth:`admit`)."""
+        """The breaker lets requests through now (no side effect: see :meth:`acquire`)."""
         return self.breaker.allows()
 
-    def admit(self) -> bool:
-        self._admitted = self.breaker.acquire()
-        return self._admitted is not None
-
-    def begin(self, prompt_tokens: int) -> Any:
-        # the slot is the breaker's admission: only the half-open probe's own success may close the breaker
-        slot, self._admitted = self._admitted, None
+    async def acquire(self, ask: Ask) -> ProviderSlot | None:
+        if not self.breaker.allows():
+            return None
+        reservation = None
+        if self.budget is not None:  # hold the worst case before sending anything
+            reservation = await self.budget.reserve(ask.request_id, ask.prompt_upper, ask.max_tokens,
+                                                    self.cfg.price, ask.max_model_len)
+            if reservation is None:
+                return None
+        admission = self.breaker.acquire()  # after the await: the breaker may have changed meanwhile
+        if admission is None:
+            if reservation is not None:
+                self.budget.release(reservation)  # type: ignore[union-attr]
+            return None
         self.in_flight += 1
-        return slot
+        return ProviderSlot(admission, reservation)
 
     def first_token(self, slot: Any) -> None:
         pass
 
     def finish(self, slot: Any, output_tokens: int) -> None:
         self.in_flight -= 1
-        self.breaker.on_success(ticket=slot)
+        self.breaker.on_success(ticket=slot.admission)
 
     def fail(self, slot: Any, err: UpstreamError) -> None:
         self.in_flight -= 1
+        if slot.reservation is not None:  # nothing was served: the hold goes back
+            self.budget.release(slot.reservation)  # type: ignore[union-attr]
         if isinstance(err, UpstreamRateLimited):
             self.breaker.on_rate_limited(err.retry_after_s)
         elif err.retryable:
@@ -192,7 +221,7 @@ class ProviderBackend:
 
     def cancel(self, slot: Any) -> None:
         self.in_flight -= 1
-        self.breaker.release(slot)  # neutral; a cancelled probe frees the probe slot
+        self.breaker.release(slot.admission)  # neutral; a cancelled probe frees the probe slot
 
     def attempts(self, *, last: bool) -> int:
         return 1 + (self.cfg.max_retries if last else 0)

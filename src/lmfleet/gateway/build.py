@@ -27,10 +27,12 @@ from lmfleet.gateway.health import HealthBoard
 from lmfleet.gateway.metrics import GatewayMetrics
 from lmfleet.gateway.pollers import EngineStatsPoller
 from lmfleet.gateway.router import Router, ServedModel
+from lmfleet.gateway.budget import BudgetGuard
 from lmfleet.gateway.run import Recorder
 from lmfleet.gateway.service import Gateway
 from lmfleet.gateway.tokens import load_tokenizer_or_none
 from lmfleet.gateway.upstream import HttpPool
+from lmfleet.overflow.store import SpendStoreError, caps_for_budget, open_spend_store
 from lmfleet.overflow import CircuitBreaker, Ledger, LoadTracker, LocalCostMeter, providers_for
 
 log = logging.getLogger("lmfleet.gateway")
@@ -74,6 +76,19 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
     api_keys = check_gateway_access(fleet.gateway, host, environ)
     metrics = GatewayMetrics()
     health = HealthBoard({a.name: a.app_name for a in apps}, fetch_status, fleet.gateway.health_poll_s)
+    if fleet.ledger.url is not None:
+        raise GatewayConfigError("ledger.url: the gateway keeps its ledger in the SQLite file at ledger.path for now "
+                                 "(usage reports read it); remove ledger.url")
+    path = Path(fleet.ledger.path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(path)
+    caps = caps_for_budget(fleet.budget)
+    try:
+        store = open_spend_store(fleet.ledger, environ=environ) if caps else None
+    except SpendStoreError as e:
+        raise GatewayConfigError(f"ledger: {e}") from None
+    recorder = Recorder(metrics, ledger, {a.name for a in apps}, store)
+    budget = BudgetGuard(store, caps, recorder.submit) if store is not None else None
 
     providers: dict[str, ProviderBackend] = {}
     for p in fleet.providers:
@@ -81,7 +96,7 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
         if p.api_key_env and not key:
             log.warning("provider %s: environment variable %s is not set; sending no API key", p.name, p.api_key_env)
         client = HttpPool(max_connections=p.max_concurrency or 1000, connect_timeout_s=p.timeouts.connect_s)
-        providers[p.name] = ProviderBackend(p, client, key, CircuitBreaker.from_config(p.breaker))
+        providers[p.name] = ProviderBackend(p, client, key, CircuitBreaker.from_config(p.breaker), budget)
 
     # one keep-alive pool to Serve's HTTP front for every model, sized to the fleet (excess waits for a connection)
     local_client = HttpPool(max_connections=max(256, 4 * sum(a.capacity for a in apps)), connect_timeout_s=5.0)
@@ -97,15 +112,12 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
             providers=[providers[p.name] for p in providers_for(c, fleet.providers)],
             threshold_ms=a.threshold_ms)
 
-    path = Path(fleet.ledger.path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger(path)
     engine_stats = None
     if fetch_engine_metrics is not None and fleet.gateway.engine_metrics_poll_s > 0:
         engine_stats = EngineStatsPoller({n: m.local.tracker for n, m in models.items()}, fetch_engine_metrics,
                                          fleet.gateway.engine_metrics_poll_s)
     admin_key = environ.get(fleet.gateway.admin_key_env) if fleet.gateway.admin_key_env else None
-    gw = Gateway(router=Router(models, fleet.budget, ledger, metrics), recorder=Recorder(metrics, ledger, set(models)),
+    gw = Gateway(router=Router(models, fleet.budget, ledger, metrics), recorder=recorder,
                  health=health, metrics=metrics, providers=providers,
                  clients=[local_client, *(p.client for p in providers.values())],
                  api_keys=api_keys, admin_key=admin_key or None,

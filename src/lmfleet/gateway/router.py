@@ -59,24 +59,38 @@ class ServedModel:
     def name(self) -> str:
         return self.app.name
 
-    async def prompt_tokens(self, req: ParsedRequest) -> int | None:
-        """The prompt's length in tokens (None without a tokenizer); 400 when prompt + max_tokens cannot fit.
+    async def prompt_size(self, req: ParsedRequest) -> PromptSize:
+        """The prompt's size in tokens; 400 when prompt + max_tokens cannot fit in the context.
 
         When a bound computed without tokenizing proves that it fits (short chats against a long context: the
-        common case), the tokenizer is skipped and an estimate is returned; tokenizing costs about a
-        millisecond of the event loop per request (measured by benchmarks/bench_relay.py's profile).
+        common case), the tokenizer is skipped and an estimate stands in for the count; tokenizing costs about
+        a millisecond of the event loop per request (measured by benchmarks/bench_relay.py's profile).
         """
         limit = self.app.max_model_len
-        if self.tokenizer is not None and limit:
-            if self._template_overhead is None:
-                self._template_overhead = template_overhead(self.tokenizer)
-            bounds = token_bounds(req.kind, req.body, self._template_overhead)
-            if bounds is not None and bounds[0] + (req.max_tokens or 1) <= limit:
-                return bounds[1]
+        if self._template_overhead is None:
+            self._template_overhead = template_overhead(self.tokenizer) if self.tokenizer is not None else 0
+        bounds = token_bounds(req.kind, req.body, self._template_overhead)
+        if self.tokenizer is not None and limit and bounds is not None and bounds[0] + (req.max_tokens or 1) <= limit:
+            return PromptSize(bounds[1], bounds[0])
         n = await count_prompt_tokens(self.tokenizer, req.kind, req.body)
         if n is not None and limit:
             check_context(n, req.max_tokens, limit)
-        return n
+        if n is not None:
+            return PromptSize(n, n)
+        # no tokenizer: a bound with room for an unknown chat template, else the context itself
+        upper = bounds[0] + UNKNOWN_TEMPLATE_TOKENS if bounds is not None else limit
+        return PromptSize(bounds[1] if bounds is not None else 0, upper)
+
+
+@dataclass(frozen=True)
+class PromptSize:
+    tokens: int
+    """The count (exact when the tokenizer ran, else an estimate): for records and the load tracker."""
+    upper: int | None
+    """Never below the real count (None: unknown): for budget reservations, which must not under-hold."""
+
+
+UNKNOWN_TEMPLATE_TOKENS = 512
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """One request's run: try the planned backends in order, relay the answer, record the outcome.
 
-    run = RequestRun(model, req, path, plan, prompt_tokens, t0, recorder)
+    run = RequestRun(model, req, path, plan, prompt_size, t0, recorder)
     return await (run.stream() if req.stream else run.unary())
 
 A failure before anything reached the client moves on to the next attempt (the same backend again per
@@ -11,7 +11,9 @@ explicit error event. The run talks to backends and the recorder only; nothing c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import uuid
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -22,13 +24,15 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from lmfleet.gateway import sse
-from lmfleet.gateway.backends import Backend
+from lmfleet.gateway.backends import Ask, Backend
 from lmfleet.gateway.errors import GatewayError, UpstreamError, UpstreamMisconfigured, UpstreamRateLimited
 from lmfleet.gateway.metrics import GatewayMetrics
-from lmfleet.gateway.router import Plan, ServedModel
+from lmfleet.gateway.router import Plan, PromptSize, ServedModel
 from lmfleet.gateway.upstream import STREAM_ERRORS, Endpoint, OpenStream, complete, open_stream
 from lmfleet.gateway.validation import ParsedRequest
 from lmfleet.overflow import Ledger, Reason
+from lmfleet.overflow.money import usd_to_nusd
+from lmfleet.overflow.store import SpendStore, UsageRecord
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -55,18 +59,28 @@ class Outcome:
 
 
 class Recorder:
-    """Metrics and the cost ledger of finished requests. Ledger rows are written off the event loop, in order."""
+    """Metrics and the cost ledger of finished requests.
 
-    def __init__(self, metrics: GatewayMetrics, ledger: Ledger | None, model_names: set[str]):
+    Ledger writes (and budget settlements, which write the ledger row in the same transaction) run off the
+    event loop, one at a time, in the order they were submitted.
+    """
+
+    def __init__(self, metrics: GatewayMetrics, ledger: Ledger | None, model_names: set[str],
+                 store: SpendStore | None = None):
         self.metrics = metrics
         self.ledger = ledger
+        self.store = store
         self._model_names = model_names
-        self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._queue: asyncio.Queue[Callable[[], Any]] = asyncio.Queue()
         self._writer: asyncio.Task | None = None
 
     def start(self) -> None:
         if self.ledger is not None and self._writer is None:
             self._writer = asyncio.create_task(self._write())
+
+    def submit(self, write: Callable[[], Any]) -> None:
+        """Run ``write`` (blocking I/O) in the writer, after everything submitted before it."""
+        self._queue.put_nowait(write)
 
     async def flush(self) -> None:
         """Wait until the rows of every finished request are in the ledger."""
@@ -77,13 +91,14 @@ class Recorder:
         if self._writer is not None:
             await self._queue.join()
             self._writer.cancel()
+        if self.store is not None:
+            self.store.close()
 
     async def _write(self) -> None:
-        assert self.ledger is not None
         while True:
-            row = await self._queue.get()
+            write = await self._queue.get()
             try:
-                await asyncio.to_thread(self.ledger.record, **row)
+                await asyncio.to_thread(write)
             except Exception as e:  # a full disk must not take the gateway down
                 log.error("ledger write failed: %s", e)
             finally:
@@ -95,7 +110,7 @@ class Recorder:
         self.metrics.errors.labels(label, str(status)).inc()
         self.metrics.requests.labels(label, "none", str(status)).inc()
 
-    def record(self, model: str, backend: Backend, o: Outcome, latency_s: float) -> None:
+    def record(self, model: str, backend: Backend, o: Outcome, latency_s: float, slot: Any = None) -> None:
         labels = (model, o.served_by)
         m = self.metrics
         m.requests.labels(model, o.served_by, str(o.status)).inc()
@@ -108,11 +123,18 @@ class Recorder:
             m.errors.labels(model, str(o.status)).inc()
         cost = backend.charge(o.input_tokens, o.output_tokens)
         m.cost.labels(*labels).inc(cost)
-        if self.ledger is not None:
-            self._queue.put_nowait(dict(
-                model=model, served_by=o.served_by, route_reason=o.reason, input_tokens=o.input_tokens,
-                output_tokens=o.output_tokens, status=o.status, cost_usd=cost, latency_ms=latency_s * 1000,
-                ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None))
+        if self.ledger is None:
+            return
+        row = UsageRecord(model=model, served_by=o.served_by, route_reason=o.reason, input_tokens=o.input_tokens,
+                          output_tokens=o.output_tokens, status=str(o.status), latency_ms=latency_s * 1000,
+                          ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None)
+        reservation = getattr(slot, "reservation", None)
+        if reservation is not None and self.store is not None:  # settle the hold to the real cost, row included
+            store = self.store
+            self.submit(lambda: store.settle(reservation, usd_to_nusd(cost), row))
+        else:
+            ledger = self.ledger
+            self.submit(lambda: ledger.record(cost_usd=cost, **dataclasses.asdict(row)))
 
 
 class RelayResponse(Response):
@@ -157,12 +179,14 @@ class RelayResponse(Response):
 class RequestRun:
     """One request across its attempts (the plan's backends, tried in order)."""
 
-    def __init__(self, model: ServedModel, req: ParsedRequest, path: str, plan: Plan, prompt_tokens: int,
+    def __init__(self, model: ServedModel, req: ParsedRequest, path: str, plan: Plan, prompt: PromptSize,
                  t0: float, recorder: Recorder):
         self.m, self.req, self.path, self.plan = model, req, path, plan
-        self.prompt_tokens, self.t0, self.recorder = prompt_tokens, t0, recorder
+        self.prompt_tokens, self.t0, self.recorder = prompt.tokens, t0, recorder
+        self.prompt_upper = prompt.upper
         self.deadline = t0 + model.app.cfg.deployment.request_timeout_s
         self.reason: Reason = plan.reason
+        self.request_id = uuid.uuid4().hex
         self.last_error: UpstreamError | None = None
 
     # ---- answers -----------------------------------------------------------------------------
@@ -179,7 +203,7 @@ class RequestRun:
         finally:
             if not finished:  # whatever went wrong, the slot is freed
                 b.cancel(slot)
-        self._record(b, Outcome(b.label, self.reason.value, usage[0], usage[1]))
+        self._record(b, slot, Outcome(b.label, self.reason.value, usage[0], usage[1]))
         return Response(raw, media_type="application/json", headers=self._headers(b))
 
     async def stream(self) -> Response:
@@ -203,14 +227,17 @@ class RequestRun:
 
         Only failures before anything reached the client come here, so every one may move on.
         """
+        attempt = 0
         for b, k, later, final in self._tries():
             if k > 0:
                 await asyncio.sleep(min(b.backoff_s(k, self.last_error), self._remaining()))
             if self._remaining() <= 0:
                 break
-            if not b.admit():
+            slot = await b.acquire(Ask(f"{self.request_id}-{attempt}", self.prompt_tokens, self.prompt_upper,
+                                       self.req.max_tokens, self.m.app.max_model_len))
+            attempt += 1
+            if slot is None:
                 continue
-            slot = b.begin(self.prompt_tokens)
             try:
                 return b, slot, await call(b.endpoint(self.req.model, has_fallback=later).within(self._remaining()))
             except UpstreamError as e:
@@ -220,7 +247,7 @@ class RequestRun:
                     break
             except BaseException:  # the client went away (cancellation): free the slot, the upstream call is closed
                 b.cancel(slot)
-                self._record(b, Outcome(b.label, self.reason.value, self.prompt_tokens, 0, None, CANCELLED))
+                self._record(b, slot, Outcome(b.label, self.reason.value, self.prompt_tokens, 0, None, CANCELLED))
                 raise
         raise self._give_up()
 
@@ -311,7 +338,7 @@ class RequestRun:
                 b.cancel(slot)
             else:
                 b.break_stream(slot, out_tokens, timed_out=status == 504)
-            self._record(b, Outcome(b.label, self.reason.value, in_tokens, out_tokens, ttft, status))
+            self._record(b, slot, Outcome(b.label, self.reason.value, in_tokens, out_tokens, ttft, status))
 
     def _rewrite(self, batch: list[bytes], usage: tuple[int, int] | None, done: bool,
                  rename: bool) -> tuple[bytes, int, tuple[int, int] | None, bool, bool]:
@@ -347,8 +374,8 @@ class RequestRun:
     def _headers(self, b: Backend) -> dict[str, str]:
         return {SERVED_BY: b.label, ROUTE_REASON: self.reason.value, QUEUE_ESTIMATE: f"{self.plan.estimate_ms:.0f}"}
 
-    def _record(self, b: Backend, o: Outcome) -> None:
-        self.recorder.record(self.m.name, b, o, time.monotonic() - self.t0)
+    def _record(self, b: Backend, slot: Any, o: Outcome) -> None:
+        self.recorder.record(self.m.name, b, o, time.monotonic() - self.t0, slot)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

@@ -183,17 +183,18 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, starte
     from lmfleet.gateway import build_gateway
     from lmfleet.gateway.health import serve_status_fetcher
     from lmfleet.gateway.pollers import ray_metrics_fetcher
+    from lmfleet.gateway.server import uvicorn_options
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    app = build_gateway(fleet, apps, serve_url=f"http://127.0.0.1:{fleet.gateway.serve_port}",
+    app = build_gateway(fleet, apps, serve_url=f"http://127.0.0.1:{fleet.gateway.serve_port}", host=host,
                         fetch_status=serve_status_fetcher(), fetch_engine_metrics=ray_metrics_fetcher())
     health = app.state.gateway.health
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=10, lifespan="on")
+                            timeout_graceful_shutdown=10, lifespan="on", **uvicorn_options(fleet.gateway))
     server = _Server(config)
     server_task = asyncio.create_task(server.serve())
     await asyncio.sleep(0.2)
@@ -237,10 +238,21 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, starte
     return code
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where installed (uvicorn's own choice): the relay measured 0.3 ms less added TTFT and a few % more
+    streams/s with it (benchmarks/bench_relay.py, docs/benchmarks.md); else asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
               deploy_timeout_s: float = 900.0, progress: Callable[[str], None] = print) -> int:
     """Run the whole fleet until SIGINT/SIGTERM. Returns the process exit code."""
     from lmfleet.engine.app import build_model_apps
+    from lmfleet.gateway.access import GatewayConfigError
 
     reaper = ProcessReaper()
     started_ray = False
@@ -262,13 +274,17 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
         deploy(apps)
         check_serve_proxy(fleet, local_head=started_ray)
         reaper.snapshot()
-        code = asyncio.run(_run(fleet, apps, host, port, started_ray, progress, deploy_timeout_s))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            code = runner.run(_run(fleet, apps, host, port, started_ray, progress, deploy_timeout_s))
     except KeyboardInterrupt:
         progress("lmfleet: interrupted")
         code = 130
     except DeployError as e:
         progress(f"lmfleet: error: {e}")
         code = 1
+    except GatewayConfigError as e:  # settings that would leave the gateway open
+        progress(f"lmfleet: error: {e}")
+        code = 2
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup must finish
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,0 +1,116 @@
+"""SQLite spend store: one node, any number of gateway processes sharing one file (the embedded default).
+
+WAL journal (readers never block the writer), ``BEGIN IMMEDIATE`` for every reservation (takes the
+file's single write lock before reading what is spent, so check-then-hold is atomic across processes),
+and a busy timeout: a lock held longer than ``busy_timeout_s`` fails the reservation closed instead of
+waiting forever. One connection per store, shared by its threads under a lock.
+
+The file is the ledger's (``LedgerConfig.path``): ``Ledger`` reads the rows this store writes.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from lmfleet.overflow.store._sql import Query, SqlSpendStore
+from lmfleet.overflow.store.base import StoreUnavailable
+
+__all__ = ["SqliteSpendStore"]
+
+# version -> DDL; applied in order, each once (recorded in lmfleet_schema)
+MIGRATIONS: dict[int, str] = {
+    1: """
+CREATE TABLE IF NOT EXISTS requests (
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts            REAL    NOT NULL,
+    model         TEXT    NOT NULL,
+    served_by     TEXT    NOT NULL,
+    route_reason  TEXT    NOT NULL,
+    input_tokens  INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    latency_ms    REAL,
+    ttft_ms       REAL,
+    status        TEXT    NOT NULL,
+    cost_nusd     INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
+CREATE TABLE IF NOT EXISTS reservations (
+    id          TEXT    NOT NULL,
+    key         TEXT    NOT NULL,
+    request_id  TEXT    NOT NULL,
+    amount_nusd INTEGER NOT NULL,
+    created_at  REAL    NOT NULL,
+    expires_at  REAL    NOT NULL,
+    PRIMARY KEY (id, key)
+);
+CREATE INDEX IF NOT EXISTS reservations_key ON reservations (key, expires_at);
+CREATE TABLE IF NOT EXISTS spend_buckets (
+    key        TEXT    NOT NULL,
+    bucket_end INTEGER NOT NULL,
+    nusd       INTEGER NOT NULL,
+    PRIMARY KEY (key, bucket_end)
+);
+""",
+}
+
+
+class SqliteSpendStore(SqlSpendStore):
+    def __init__(self, path: str | Path, *, ttl_s: float = 900.0, bucket_s: int = 60, retain_s: float = 8 * 86400.0,
+                 busy_timeout_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(ttl_s=ttl_s, bucket_s=bucket_s, retain_s=retain_s, clock=clock)
+        self.path = Path(path).expanduser()
+        self._lock = threading.Lock()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                                       timeout=busy_timeout_s)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._migrate()
+        except (sqlite3.Error, OSError) as e:
+            raise StoreUnavailable(f"ledger database {self.path}: {e}") from e
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> "SqliteSpendStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _migrate(self) -> None:
+        with self._transaction(("schema",)) as q:
+            q("CREATE TABLE IF NOT EXISTS lmfleet_schema (version INTEGER NOT NULL)")
+            current = q("SELECT COALESCE(MAX(version), 0) FROM lmfleet_schema").fetchone()[0]
+            for version in sorted(v for v in MIGRATIONS if v > current):
+                for stmt in filter(str.strip, MIGRATIONS[version].split(";")):
+                    q(stmt)
+                q("INSERT INTO lmfleet_schema (version) VALUES (?)", (version,))
+
+    @contextmanager
+    def _transaction(self, keys: Sequence[str]) -> Iterator[Query]:
+        # the write lock up front when a key's spend is read then held; a plain BEGIN for reads and appends
+        begin = "BEGIN IMMEDIATE" if keys else "BEGIN"
+        with self._lock:
+            try:
+                self._db.execute(begin)
+                try:
+                    yield self._db.execute
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            except sqlite3.Error as e:
+                if self._db.in_transaction:
+                    try:
+                        self._db.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                raise StoreUnavailable(f"ledger database {self.path}: {e}") from e
