@@ -23,6 +23,7 @@ from lmfleet.serve.proxy import (
     effective_env,
     find_haproxy,
     is_node_haproxy,
+    THROUGHPUT_OPTIMIZED,
     serve_env,
     serve_http_host,
 )
@@ -46,9 +47,11 @@ def test_unknown_proxy_is_refused():
 
 
 @pytest.mark.parametrize("proxy, ports, expected", [
-    ("haproxy", None, {ENABLE_HAPROXY: "1", ENABLE_DIRECT_STREAMING: "1", MIN_DRAIN_S: "5"}),
+    ("haproxy", None, {ENABLE_HAPROXY: "1", ENABLE_DIRECT_STREAMING: "1", MIN_DRAIN_S: "5",
+                       THROUGHPUT_OPTIMIZED: "1"}),
     ("haproxy", HaproxyPorts(1, 2, 3), {ENABLE_HAPROXY: "1", ENABLE_DIRECT_STREAMING: "1", MIN_DRAIN_S: "5",
-                                        STATS_PORT: "1", METRICS_PORT: "2", FALLBACK_PORT: "3"}),
+                                        THROUGHPUT_OPTIMIZED: "1", STATS_PORT: "1", METRICS_PORT: "2",
+                                        FALLBACK_PORT: "3"}),
     ("serve", None, {ENABLE_HAPROXY: "0", ENABLE_DIRECT_STREAMING: "0"}),
     ("serve", HaproxyPorts(1, 2, 3), {ENABLE_HAPROXY: "0", ENABLE_DIRECT_STREAMING: "0"}),
 ])
