@@ -37,7 +37,7 @@ from lmfleet.overflow import CircuitBreaker, Ledger, LoadTracker, LocalCostMeter
 
 log = logging.getLogger("lmfleet.gateway")
 
-__all__ = ["GatewayConfigError", "build_gateway", "check_gateway_access", "load_api_keys"]
+__all__ = ["GatewayConfigError", "build_gateway", "check_gateway_access", "load_api_keys", "preflight"]
 
 
 def load_api_keys(cfg: GatewayConfig, environ: Mapping[str, str]) -> frozenset[str]:
@@ -54,6 +54,15 @@ def check_gateway_access(cfg: GatewayConfig, host: str | None = None,
     keys = load_api_keys(cfg, os.environ if environ is None else environ)
     check_exposure(host or cfg.host, keys, cfg.allow_unauthenticated)
     return keys
+
+
+def preflight(fleet: FleetConfig, host: str | None = None, environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """Everything that would stop :func:`build_gateway`, checked in a moment (``lmfleet serve`` runs it before
+    deploying anything): auth and exposure (:func:`check_gateway_access`), the ledger. Returns the client keys."""
+    if fleet.ledger.url is not None:
+        raise GatewayConfigError("ledger.url: the gateway keeps its ledger in the SQLite file at ledger.path for now "
+                                 "(usage reports read it); remove ledger.url")
+    return check_gateway_access(fleet.gateway, host, environ)
 
 
 def _tokenizer(app: ModelApp) -> Any | None:
@@ -73,12 +82,9 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
     """
     environ = os.environ if environ is None else environ
     host = host or fleet.gateway.host
-    api_keys = check_gateway_access(fleet.gateway, host, environ)
+    api_keys = preflight(fleet, host, environ)
     metrics = GatewayMetrics()
     health = HealthBoard({a.name: a.app_name for a in apps}, fetch_status, fleet.gateway.health_poll_s)
-    if fleet.ledger.url is not None:
-        raise GatewayConfigError("ledger.url: the gateway keeps its ledger in the SQLite file at ledger.path for now "
-                                 "(usage reports read it); remove ledger.url")
     path = Path(fleet.ledger.path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(path)

@@ -261,6 +261,9 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     # a second Ctrl-C during start-up must still clean up, so SIGTERM behaves like SIGINT until the loop runs
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        from lmfleet.gateway.build import preflight
+
+        preflight(fleet, host)  # a gateway that could not start must not cost minutes of deploying first
         prepare_serve_proxy(fleet)
         apps = build_model_apps(fleet, progress=progress)
         addr = ray_address(fleet, address)
