@@ -347,8 +347,9 @@ def test_worker_loss_loses_no_unstarted_request(netns_fleet: Cluster):
     assert st["state"] == "degraded" and any("10.77.0.2" in p for p in st["problems"])
     assert _running_on(st) in (["10.77.0.3"], [])  # the replacement has nowhere to go: head has 1 CPU
     deadline = time.monotonic() + 30  # the gateway polls Serve every health_poll_s
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
     while time.monotonic() < deadline:
-        ready = _http(netns_fleet, "GET", "/ready")
+        ready = _http(netns_fleet, "GET", "/ready", headers=admin)  # per-model detail needs a key
         if ready.json()["models"][MODEL]["running_replicas"] == 1:
             break
         time.sleep(1)

@@ -253,30 +253,39 @@ def _reserve_many(target, n_threads: int, start: threading.Barrier | None = None
     stores = [_open(target, pool_size=8) if target[0] == "postgres" else _open(target)] if shared else []
 
     def one(i: int) -> None:
-        store = stores[0] if shared else _open(target)
-        gate.wait()
+        try:  # a thread that cannot open its store must not leave the others waiting at the gate for ever
+            store = stores[0] if shared else _open(target)
+        except Exception as e:
+            errors.append(e)
+            gate.abort()
+            return
         try:
+            gate.wait(timeout=120)
             res = store.reserve(f"r{i}", AMOUNT, CAP_10)
             if isinstance(res, Reservation):
                 admitted.append(i)
                 if settle:
                     store.settle(res, AMOUNT, ROW)
-        except StoreUnavailable as e:
+        except (StoreUnavailable, threading.BrokenBarrierError) as e:
             errors.append(e)
-        if not shared:
-            store.close()
+        finally:
+            if not shared:
+                store.close()
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n_threads)]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n_threads)]
     if start is not None:
         start.wait()
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 170
     for t in threads:
-        t.join()
+        t.join(max(0.1, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        raise AssertionError("reserving threads still running after 170 s")
     for s in stores:
         s.close()
     if errors:
-        raise AssertionError(f"{len(errors)} reservations failed: {errors[0]}")
+        raise AssertionError(f"{len(errors)} reservations failed: {errors[0]!r}")
     return len(admitted)
 
 

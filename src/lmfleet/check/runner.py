@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 from lmfleet.check.cluster import Link, check_gpu_fit, check_inventory, check_links, gather_inventory, measure_links
 from lmfleet.check.exposure import check_replica_exposure
 from lmfleet.check.gpu_probe import DEFAULT_BUSY_FRACTION
-from lmfleet.check.hardware import GpuModel, Hardware, bandwidth_for, hardware_from_config
+from lmfleet.check.hardware import GpuModel, Hardware, bandwidth_for, gpu_model, hardware_from_config
 from lmfleet.check.memory import check_host_memory, check_memory, no_arch
 from lmfleet.check.model_files import find_model_files, tokenizer_location
 from lmfleet.check.parallelism import check_parallelism, valid_tp_sizes
@@ -27,7 +27,7 @@ OWN_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 class CheckOptions:
     offline: bool = False
     address: str | None = None  # --address; else RAY_ADDRESS, cluster.address, or a throwaway local Ray
-    gpu: GpuModel | None = None  # assumed GPU when nothing was measured
+    gpu: GpuModel | None = None  # --gpu: assumed GPU when nothing was measured (else the file's cluster.gpu)
     busy_fraction: float = DEFAULT_BUSY_FRACTION
     link_payload_mib: int = 64
     load: LoadAssumptions = field(default_factory=LoadAssumptions)
@@ -55,10 +55,21 @@ def ray_connection(address: str | None, progress: Callable[[str], None]) -> Iter
         ray.shutdown()
 
 
+def assumed_gpu(cfg: FleetConfig, opts: CheckOptions) -> GpuModel | None:
+    """The GPU to plan for when none is measured: ``--gpu``, else the fleet file's ``cluster.gpu``."""
+    if opts.gpu is not None:
+        return opts.gpu
+    return gpu_model(cfg.cluster.gpu) if cfg.cluster.gpu else None
+
+
 def model_checks(cfg: FleetConfig, hw: Hardware, opts: CheckOptions) -> list[CheckResult]:
-    """Per-model checks that need no cluster: files, parallelism, memory, timeouts, tokenizer."""
+    """Per-model checks that need no cluster: files, parallelism, memory, timeouts, tokenizer.
+
+    A fleet whose nodes have GPUs is planned for those GPUs, never for the CPU of the machine running the check;
+    when their model is unknown (offline, no ``cluster.gpu`` or ``--gpu``) the memory plan is skipped."""
     out: list[CheckResult] = []
     on_gpu = hw.gpu_memory_bytes is not None
+    gpus_unknown = hw.has_gpus and not on_gpu
     for m in cfg.models:
         try:
             files = find_model_files(m.source, build_builtin=opts.build_builtin)
@@ -82,13 +93,19 @@ def model_checks(cfg: FleetConfig, hw: Hardware, opts: CheckOptions) -> list[Che
                 if m.engine.quantization not in (None, "fp8"):
                     block = None
                 out += check_parallelism(m, arch, hw, weight_block=block)
-                mem, plan = check_memory(m, arch, hw, valid_tp_sizes(arch))
+                if gpus_unknown:
+                    out.append(skipped("memory.fit", m.name, "the fleet file describes GPU nodes but not their GPU "
+                                       "model; set cluster.gpu (e.g. h200) or pass --gpu to plan memory"))
+                    mem, plan = [], None
+                else:
+                    mem, plan = check_memory(m, arch, hw, valid_tp_sizes(arch))
                 out += mem
-                if plan is not None and not on_gpu and not hw.measured:
+                if plan is not None and not on_gpu and not hw.has_gpus and not hw.measured:
                     import psutil
 
                     out.append(check_host_memory(m, plan, psutil.virtual_memory().total))
-        out += check_timeouts(m, cfg, plan, opts.load, on_gpu=on_gpu, bandwidth_gbs=bandwidth_for(hw.gpu_name))
+        out += check_timeouts(m, cfg, plan, opts.load, on_gpu=on_gpu or hw.has_gpus,
+                              bandwidth_gbs=bandwidth_for(hw.gpu_name))
         own = files.folder if files.folder and any((files.folder / f).exists() for f in OWN_TOKENIZER_FILES) else None
         out += check_tokenizer(m, cfg, tokenizer_location(m, files), model_config=files.config,
                                generation_config=files.generation_config, reference_location=own and str(own))
@@ -99,8 +116,9 @@ def run_checks(cfg: FleetConfig, opts: CheckOptions, progress: Callable[[str], N
                ) -> tuple[list[CheckResult], dict[str, Any]]:
     """All checks; returns the results and facts for the JSON report (hardware, links)."""
     extra: dict[str, Any] = {"mode": "offline" if opts.offline else "cluster"}
+    gpu = assumed_gpu(cfg, opts)
     if opts.offline:
-        hw = hardware_from_config(cfg, opts.gpu)
+        hw = hardware_from_config(cfg, gpu)
         results = [skipped("cluster", "cluster", f"--offline: no Ray; hardware {hw.note}")]
         results += check_inventory(hw) + check_gpu_fit(cfg, hw)
         links: list[Link] = []
@@ -122,9 +140,9 @@ def run_checks(cfg: FleetConfig, opts: CheckOptions, progress: Callable[[str], N
                           "gpu_memory_bytes": n.gpu_memory_bytes, "source": n.source,
                           "probe": n.probe.to_dict() if n.probe else None} for n in hw.nodes]
     extra["links"] = [vars(link) for link in links]
-    if opts.gpu is not None and hw.gpu_memory_bytes is None:
-        # measured cluster without GPUs, planning for a GPU given on the command line
-        hw = Hardware(tuple(replace(n, gpu_memory_bytes=opts.gpu.memory_bytes, gpu_name=opts.gpu.name) for n in hw.nodes),
+    if gpu is not None and hw.gpu_memory_bytes is None:
+        # measured cluster without GPUs, planning for the GPU given by --gpu or cluster.gpu
+        hw = Hardware(tuple(replace(n, gpu_memory_bytes=gpu.memory_bytes, gpu_name=gpu.name) for n in hw.nodes),
                       hw.measured, hw.note)
     progress("checking models (files, parallelism, memory, timeouts, tokenizer)")
     results += model_checks(cfg, hw, opts)

@@ -417,6 +417,11 @@ class ClusterConfig(_Strict):
     workers: list[NodeConfig] = Field(default_factory=list, description="Worker nodes.")
     ssh: SshConfig = Field(default_factory=SshConfig)
     gpus_per_node: int = Field(0, ge=0, description="GPUs on each node unless the node says otherwise.")
+    gpu: str | None = Field(
+        None, min_length=1, max_length=40,
+        description="GPU model of the GPU nodes (h200, h100, a100-80, a100-40, l40s, l4, a10g, rtx4090, or a memory "
+        "size like 80GiB): what `lmfleet check --offline` plans memory and speed for (`--gpu` overrides it).",
+    )
     ray_port: int = Field(6379, ge=1, le=65535, description="Ray GCS port on the head.")
     setup_commands: list[str] = Field(default_factory=list, description="Shell commands run on every node before Ray starts.")
     auth_token_path: str = Field(
@@ -428,6 +433,15 @@ class ClusterConfig(_Strict):
         None, description="Where `cluster up` writes Ray's cluster launcher file (default: .lmfleet/<name>.ray-cluster.yaml)."
     )
     min_link_gbps: float = Field(10.0, gt=0, description="Links slower than this between nodes are flagged for tensor parallelism.")
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, v: str | None) -> str | None:
+        from lmfleet.check.gpus import gpu_model
+
+        if v is not None:
+            gpu_model(v)  # ValueError names the presets
+        return v
 
     @model_validator(mode="after")
     def _distinct_nodes(self) -> "ClusterConfig":
