@@ -91,10 +91,16 @@ def serve_gateway(config: str, fake_url: str, loop: str, http: str, profile_out:
 
     from lmfleet.config import load_config
 
+    from lmfleet.gateway.app import quiet_gc
+    from lmfleet.gateway.server import uvicorn_options
+
     fleet = load_config(config)
     app = make_gateway_app(fleet, fake_url)
+    quiet_gc()  # as `lmfleet serve` does
+    # "lmfleet": the HTTP protocol and limits `lmfleet serve` runs with (uvicorn's httptools protocol, guarded)
+    opts = uvicorn_options(fleet.gateway) if http == "lmfleet" else {"http": http}
     server = uvicorn.Server(uvicorn.Config(app, host=fleet.gateway.host, port=fleet.gateway.port, loop=loop,
-                                           http=http, log_level="warning", access_log=False, lifespan="on"))
+                                           log_level="warning", access_log=False, lifespan="on", **opts))
     prof = cProfile.Profile() if profile_out else None
     if prof:
         prof.enable()
@@ -362,8 +368,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--ttft-ms", type=float, default=0.0, help="the fake engine's time to first token")
     ap.add_argument("--itl-ms", type=float, default=0.0, help="the fake engine's inter-token latency")
-    ap.add_argument("--variants", default="asyncio:h11,asyncio:httptools,uvloop:httptools",
-                    help="uvicorn loop:http pairs, one gateway process each (lmfleet serve today: asyncio:httptools)")
+    ap.add_argument("--variants", default="uvloop:lmfleet",
+                    help="uvicorn loop:http pairs, one gateway process each; http \"lmfleet\" is what lmfleet serve runs "
+                         "(httptools behind gateway/server.py guarded_protocol)")
     ap.add_argument("--paths", default="provider,local", help="gateway paths to measure (direct always runs)")
     ap.add_argument("--fleet-tokens-s", type=float, default=50_000.0, help="fleet output rate to size gateways for")
     ap.add_argument("--profile", type=Path, help="cProfile the first variant's gateway into this file")

@@ -471,3 +471,42 @@ async def test_budget_cap_is_exact_under_200_concurrent_paid_requests(tmp_path):
     by = {row["served_by"]: row for row in usage["rows"]}
     assert by["provider/p"]["requests"] == 10 and by["provider/p"]["cost_usd"] <= 10.5 * worst_usd
     assert app.state.gateway.providers["p"].in_flight == 0
+
+
+class _StallingStream(httpx.AsyncByteStream):
+    """Sends ``events``, then goes silent for ``quiet_s`` (connection open), then the rest."""
+
+    def __init__(self, events: list[bytes], quiet_s: float, rest: list[bytes]):
+        self.events, self.quiet_s, self.rest = events, quiet_s, rest
+
+    async def __aiter__(self):
+        import asyncio
+
+        for e in self.events:
+            yield e
+        await asyncio.sleep(self.quiet_s)
+        for e in self.rest:
+            yield e
+
+
+@pytest.mark.parametrize("quiet_s, stalled", [(0.3, False), (3.0, True)])
+async def test_provider_stream_that_goes_quiet_past_its_idle_timeout_ends_with_an_error(tmp_path, quiet_s, stalled):
+    """A provider stream silent for longer than timeouts.first_token_s (1 s here) is cut with an error event;
+    a shorter pause is relayed whole."""
+    events = sse_events("p-model", ["Par", "is", "!"])
+
+    def provider(req):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=_StallingStream(events[:2], quiet_s, events[2:]))
+
+    app = make_gateway(tmp_path, lambda req: httpx.Response(500), {"p": provider})
+    for p in app.state.gateway.providers.values():
+        p.cfg.timeouts.first_token_s = 1.0
+    c = await _client(app)
+    await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
+    r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
+    if stalled:
+        assert "StreamStalled" in r.text and "upstream_stream_error" in r.text and '"!"' not in r.text
+    else:
+        assert '"!"' in r.text and "error" not in r.text

@@ -11,9 +11,11 @@ Operator routes (/health, /ready, /metrics, /admin/*) live in :mod:`lmfleet.gate
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,7 +30,7 @@ from lmfleet.config.models import GatewayConfig
 from lmfleet.gateway.access import bearer, host_allowed, key_ok, operator_may_see, read_json
 from lmfleet.gateway.errors import GatewayError, error_body
 from lmfleet.gateway.ops import ops_routes
-from lmfleet.gateway.run import CANCELLED, RequestRun
+from lmfleet.gateway.run import RelayResponse, RequestRun
 from lmfleet.gateway.service import Gateway
 from lmfleet.gateway.validation import Kind, check_content_parts, check_prompt_count, check_size, validate_request
 
@@ -79,26 +81,114 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _unless_client_leaves(request: Request, answer: Awaitable[Response]) -> Response:
-    """Await ``answer``, but cancel it (and with it the upstream call) when the client disconnects first:
-    nobody would read what the backend goes on generating. Once a stream has begun, Starlette's
-    StreamingResponse does the same for the relay."""
-    task = asyncio.ensure_future(answer)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
+HOT_ROUTES: dict[str, tuple[Kind, str]] = {"/v1/chat/completions": ("chat", "/chat/completions"),
+                                           "/v1/completions": ("completion", "/completions")}
+"""The OpenAI routes every token passes through: path -> (request kind, upstream path)."""
+
+Prepare = Callable[[Request, Kind, str], Awaitable[tuple[RequestRun, bool]]]
+
+
+class OpenAIRoutes:
+    """POST /v1/chat/completions and /v1/completions as plain ASGI, in front of FastAPI's middleware stack.
+
+    Starlette's error and exception middlewares, its router and its request/response wrappers each add a layer
+    around every ``send`` of every streamed chunk; on this path they cost about a tenth of the gateway's CPU
+    (py-spy on benchmarks/bench_relay.py). Here the same checks run in the same order (Host, key, body,
+    validation, route) and errors get the same OpenAI-shaped bodies, with one task per request watching for
+    the client to leave: when it does, the request's task is cancelled (and with it the upstream call).
+    """
+
+    def __init__(self, prepare: Prepare, auth: AuthMiddleware):
+        self.prepare = prepare
+        self.auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind, path = HOT_ROUTES[scope["path"]]
+        if (refusal := self.auth._refusal(scope)) is not None:
+            await refusal(scope, receive, send)
+            return
+        try:
+            run, stream = await self.prepare(Request(scope, receive), kind, path)
+        except GatewayError as e:
+            await _send_whole(send, JSONResponse(e.body(), status_code=e.status, headers=e.headers))
+            return
+        except Exception:
+            log.exception("unexpected error on %s", scope["path"])
+            await _send_whole(send, JSONResponse(error_body("Internal gateway error.", "server_error"), 500))
+            return
+        await self._answer(run, stream, receive, send)
+
+    async def _answer(self, run: RequestRun, stream: bool, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
             task.cancel()
-    if not task.done() or task.cancelled():
-        return Response(status_code=CANCELLED)  # nobody is there to read it
-    return task.result()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            try:
+                answer = await (run.stream() if stream else run.unary())
+            except GatewayError as e:
+                run.recorder.count_error(run.req.model, e.status)
+                await _send_whole(send, JSONResponse(e.body(), status_code=e.status, headers=e.headers))
+                return
+            if isinstance(answer, RelayResponse):
+                await answer.send_to(send)
+            else:
+                await _send_whole(send, answer)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()  # the client left: nobody to answer
+        except Exception:
+            log.exception("unexpected error on %s", run.path)
+            with contextlib.suppress(Exception):  # fails once the response has started: the stream just ends
+                await _send_whole(send, JSONResponse(error_body("Internal gateway error.", "server_error"), 500))
+        finally:
+            watcher.cancel()
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def _send_whole(send: Send, r: Response) -> None:
+    await send({"type": "http.response.start", "status": r.status_code, "headers": r.raw_headers})
+    await send({"type": "http.response.body", "body": r.body})
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, with :class:`OpenAIRoutes` answering the hot routes before its middleware stack."""
+
+    openai_routes: OpenAIRoutes | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.openai_routes is not None and scope["type"] == "http" and scope["path"] in HOT_ROUTES
+                and scope["method"] == "POST"):
+            await self.openai_routes(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+GC_THRESHOLDS = (20_000, 20, 20)
+"""Collector thresholds while serving (Python's default: 700, 10, 10)."""
+
+
+def quiet_gc() -> None:
+    """Keep the cyclic garbage collector off the data path; for a process that serves a gateway, called once
+    it has started (it changes the whole process's collector settings, so the app does not call it itself).
+
+    The process carries a large, long-lived heap (FastAPI, pydantic, tokenizers, Ray, sometimes torch); with
+    Python's default thresholds a request's few hundred short-lived objects trigger collections that walk it,
+    and py-spy on benchmarks/bench_relay.py put a quarter of the gateway's CPU in ``gc_collect_main``.
+    ``gc.freeze()`` moves everything alive after start-up out of the collector's sight, and larger thresholds
+    make the collections that remain rarer (each one walks only what requests left behind).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
@@ -115,7 +205,7 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
         finally:
             await gw.close()
 
-    app = FastAPI(title="lmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = GatewayApp(title="lmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if cfg.openapi else None)
     app.state.gateway = gw
 
@@ -141,10 +231,9 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
         log.exception("unexpected error on %s", request.url.path)
         return JSONResponse(error_body("Internal gateway error.", "server_error"), status_code=500)
 
-    app.add_middleware(AuthMiddleware, gw=gw, trusted_hosts=trusted_hosts, metrics_public=cfg.metrics_public)
-
     # ---- the OpenAI routes -------------------------------------------------------------------
-    async def _openai(request: Request, kind: Kind, path: str) -> Response:
+    async def _openai(request: Request, kind: Kind, path: str) -> tuple[RequestRun, bool]:
+        """Everything before the first upstream call: body, validation, model, size, route."""
         t0 = time.monotonic()
         model_name = None
         try:
@@ -159,21 +248,14 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
             check_size(req, model.app.max_model_len)
             size = await model.prompt_size(req)
             plan = await gw.router.route(model)
-            run = RequestRun(model, req, path, plan, size, t0, gw.recorder)
-            return await _unless_client_leaves(request, run.stream() if req.stream else run.unary())
+            return RequestRun(model, req, path, plan, size, t0, gw.recorder), req.stream
         except GatewayError as e:
             gw.recorder.count_error(model_name, e.status)
             raise
 
-    async def chat(request: Request) -> Response:
-        return await _openai(request, "chat", "/chat/completions")
-
-    async def completions(request: Request) -> Response:
-        return await _openai(request, "completion", "/completions")
-
-    # plain Starlette routes: FastAPI's dependency machinery costs CPU on every request and these take none
-    app.add_route("/v1/chat/completions", chat, methods=["POST"])
-    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_middleware(AuthMiddleware, gw=gw, trusted_hosts=trusted_hosts, metrics_public=cfg.metrics_public)
+    # the two OpenAI routes are answered in front of FastAPI's stack (see OpenAIRoutes); FastAPI answers the rest
+    app.openai_routes = OpenAIRoutes(_openai, AuthMiddleware(app, gw, trusted_hosts, cfg.metrics_public))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -112,6 +112,7 @@ class Router:
         self.ledger = ledger
         self.metrics = metrics
         self._budget_cache: tuple[float, BudgetStatus | None] = (float("-inf"), None)
+        self._metric_children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def model_or_404(self, name: str) -> ServedModel:
         m = self.models.get(name)
@@ -141,6 +142,16 @@ class Router:
         self._budget_cache = (time.monotonic(), status)
         return status
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once per label set (a few microseconds a call otherwise)."""
+        key = (id(metric), labels)
+        child = self._metric_children.get(key)
+        if child is None:
+            child = metric.labels(*labels)
+            if len(self._metric_children) < 10_000:  # label sets are bounded: models x targets x reasons
+                self._metric_children[key] = child
+        return child
+
     async def route(self, m: ServedModel) -> Plan:
         """Decide where one request of ``m`` goes: the chosen backend first, then the fallbacks.
 
@@ -149,7 +160,7 @@ class Router:
         """
         estimate = self.estimate(m)
         m.last_estimate_ms = estimate
-        self.metrics.queue_estimate.labels(m.name).set(estimate)
+        self._child(self.metrics.queue_estimate, m.name).set(estimate)
         candidates = [ProviderCandidate(p.name, p.cfg.model_map, p.healthy(), p.in_flight, p.cfg.max_concurrency)
                       for p in m.providers]
         budget = await self.budget_status() if candidates else None
@@ -163,7 +174,7 @@ class Router:
                    budget=budget, on_exhausted=self.budget.on_exhausted, candidates=candidates)
         m.hysteresis = d.state
         reason = Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider else d.reason
-        self.metrics.overflowed.labels(m.name, d.target, reason.value).inc()
+        self._child(self.metrics.overflowed, m.name, d.target, reason.value).inc()
         if d.is_reject:
             raise GatewayError(429, f"External spending budget exhausted and the local queue for {m.name!r} is "
                                f"full (predicted wait {estimate:.0f} ms). Retry later.", code="budget_exhausted",

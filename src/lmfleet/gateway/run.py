@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import uuid
 import logging
@@ -41,6 +42,14 @@ ROUTE_REASON = "x-lmfleet-route-reason"
 QUEUE_ESTIMATE = "x-lmfleet-queue-estimate-ms"
 
 T = TypeVar("T")
+
+LAST_EVENT = sse.DONE + b"\n\n"
+"""How a relayed stream's last block ends."""
+
+_ID_PREFIX = f"{uuid.uuid4().hex[:12]}-"
+_ids = itertools.count()
+"""Request ids: unique per process by the counter, across processes and restarts by the random prefix
+(a uuid4 per request costs a getrandom system call)."""
 
 CANCELLED = 499
 """Status recorded (metrics, ledger) for a request whose client went away before it was answered."""
@@ -73,6 +82,7 @@ class Recorder:
         self._model_names = model_names
         self._queue: asyncio.Queue[Callable[[], Any]] = asyncio.Queue()
         self._writer: asyncio.Task | None = None
+        self._metric_children: dict[tuple[str, str, int], tuple[Any, ...]] = {}
 
     def start(self) -> None:
         if self.ledger is not None and self._writer is None:
@@ -110,19 +120,34 @@ class Recorder:
         self.metrics.errors.labels(label, str(status)).inc()
         self.metrics.requests.labels(label, "none", str(status)).inc()
 
+    def _children(self, model: str, served_by: str, status: int) -> tuple[Any, ...]:
+        """The labelled metric children of one (model, backend, status), looked up once
+        (prometheus_client's ``labels()`` costs a few microseconds a call)."""
+        key = (model, served_by, status)
+        c = self._metric_children.get(key)
+        if c is None:
+            m = self.metrics
+            c = (m.requests.labels(model, served_by, str(status)), m.latency.labels(model, served_by),
+                 m.ttft.labels(model, served_by), m.tokens.labels(model, served_by, "input"),
+                 m.tokens.labels(model, served_by, "output"), m.errors.labels(model, str(status)) if status != 200
+                 else None, m.cost.labels(model, served_by))
+            if len(self._metric_children) < 10_000:  # labels are bounded (models x backends x statuses)
+                self._metric_children[key] = c
+        return c
+
     def record(self, model: str, backend: Backend, o: Outcome, latency_s: float, slot: Any = None) -> None:
-        labels = (model, o.served_by)
-        m = self.metrics
-        m.requests.labels(model, o.served_by, str(o.status)).inc()
-        m.latency.labels(*labels).observe(latency_s)
+        requests, latency, ttft, tokens_in, tokens_out, errors, cost_total = self._children(model, o.served_by,
+                                                                                            o.status)
+        requests.inc()
+        latency.observe(latency_s)
         if o.ttft_s is not None:
-            m.ttft.labels(*labels).observe(o.ttft_s)
-        m.tokens.labels(*labels, "input").inc(o.input_tokens)
-        m.tokens.labels(*labels, "output").inc(o.output_tokens)
-        if o.status != 200:
-            m.errors.labels(model, str(o.status)).inc()
+            ttft.observe(o.ttft_s)
+        tokens_in.inc(o.input_tokens)
+        tokens_out.inc(o.output_tokens)
+        if errors is not None:
+            errors.inc()
         cost = backend.charge(o.input_tokens, o.output_tokens)
-        m.cost.labels(*labels).inc(cost)
+        cost_total.inc(cost)
         if self.ledger is None:
             return
         row = UsageRecord(model=model, served_by=o.served_by, route_reason=o.reason, input_tokens=o.input_tokens,
@@ -163,16 +188,28 @@ class RelayResponse(Response):
 
         watcher = asyncio.ensure_future(watch())
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for block in self.body_iterator:
-                await send({"type": "http.response.body", "body": block, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self.send_to(send)
         except asyncio.CancelledError:
             if not gone.is_set():
                 raise
             relay.uncancel()  # the client left: nothing more to do
         finally:
             watcher.cancel()
+
+    async def send_to(self, send: Send) -> None:
+        """Send the answer; whoever calls it watches for the client leaving (and cancels this)."""
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            blocks = self.body_iterator
+            async for block in blocks:
+                if block.endswith(LAST_EVENT):  # the response's end goes out in the same write as its last event
+                    await send({"type": "http.response.body", "body": block, "more_body": False})
+                    async for _ in blocks:  # the relay's own ending (bookkeeping); nothing more is sent
+                        pass
+                    return
+                await send({"type": "http.response.body", "body": block, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
@@ -186,7 +223,7 @@ class RequestRun:
         self.prompt_upper = prompt.upper
         self.deadline = t0 + model.app.cfg.deployment.request_timeout_s
         self.reason: Reason = plan.reason
-        self.request_id = uuid.uuid4().hex
+        self.request_id = f"{_ID_PREFIX}{next(_ids):x}"
         self.last_error: UpstreamError | None = None
 
     # ---- answers -----------------------------------------------------------------------------

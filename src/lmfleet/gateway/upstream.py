@@ -12,6 +12,7 @@ docs/benchmarks.md), and every streamed token passes through here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
+import yarl
 
 from lmfleet.gateway.errors import (
     UpstreamError,
@@ -139,6 +141,12 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _JSON = {"content-type": "application/json"}
 
 
+@functools.lru_cache(maxsize=1024)
+def _url(base_url: str, path: str) -> yarl.URL:
+    """The parsed URL of one backend route (aiohttp parses a string on every request)."""
+    return yarl.URL(f"{base_url}{path}")
+
+
 class StreamStalled(Exception):
     """A stream sent nothing for longer than its endpoint's ``idle_timeout_s``."""
 
@@ -161,7 +169,7 @@ async def complete(ep: Endpoint, path: str, body: dict[str, Any]) -> tuple[bytes
     """Non-streaming call. Returns the raw body and its parsed JSON object."""
     try:
         async with asyncio.timeout(ep.total_timeout_s):
-            async with ep.client.session.post(f"{ep.base_url}{path}", data=prepare_body(ep, body, False),
+            async with ep.client.session.post(_url(ep.base_url, path), data=prepare_body(ep, body, False),
                                               headers={**_JSON, **ep.headers}) as resp:
                 raw = await resp.read()
                 status, headers = resp.status, resp.headers
@@ -176,6 +184,32 @@ async def complete(ep: Endpoint, path: str, body: dict[str, Any]) -> tuple[bytes
     if not isinstance(obj, dict):
         raise UpstreamServerError(f"{ep.what} returned a body that is not a JSON object", status=status)
     return raw, obj
+
+
+class _IdleWatchdog:
+    """Fails a stream's reader with :class:`StreamStalled` once nothing has arrived for the endpoint's
+    ``idle_timeout_s``. The reader only stamps :attr:`last` per read; one timer per stream re-arms itself for
+    what is left of the quiet period (an ``asyncio.timeout`` around each read cost ~5 % of the relay's CPU)."""
+
+    def __init__(self, content: aiohttp.StreamReader, ep: Endpoint) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.content, self.ep = content, ep
+        self.idle = float(ep.idle_timeout_s or 0)
+        self.last = self.loop.time()
+        self._timer: asyncio.TimerHandle | None = self.loop.call_at(self.last + self.idle, self._check)
+
+    def _check(self) -> None:
+        due = self.last + self.idle
+        if self.loop.time() < due:
+            self._timer = self.loop.call_at(due, self._check)
+            return
+        self._timer = None
+        self.content.set_exception(StreamStalled(f"no data from {self.ep.label} for {self.idle:g} s"))
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class OpenStream:
@@ -197,22 +231,18 @@ class OpenStream:
         """
         if self.head:
             yield self.head
-        idle = self.endpoint.idle_timeout_s
         content = self._resp.content
-        while True:
-            if idle:
-                try:
-                    async with asyncio.timeout(idle):
-                        chunk = await content.readany()
-                except TimeoutError:
-                    raise StreamStalled(f"no data from {self.endpoint.label} for {idle:g} s") from None
-            else:
-                chunk = await content.readany()
-            if not chunk:
-                break
-            events = self._splitter.feed(chunk)
-            if events:
-                yield events
+        watchdog = _IdleWatchdog(content, self.endpoint) if self.endpoint.idle_timeout_s else None
+        try:
+            while chunk := await content.readany():
+                if watchdog is not None:
+                    watchdog.last = watchdog.loop.time()
+                events = self._splitter.feed(chunk)
+                if events:
+                    yield events
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
         rest = self._splitter.rest()
         if rest.strip():
             yield [rest + b"\n\n"]
@@ -230,7 +260,7 @@ async def open_stream(ep: Endpoint, path: str, body: dict[str, Any]) -> OpenStre
 
     async def _first() -> OpenStream:
         nonlocal resp
-        resp = await ep.client.session.post(f"{ep.base_url}{path}", data=prepare_body(ep, body, True),
+        resp = await ep.client.session.post(_url(ep.base_url, path), data=prepare_body(ep, body, True),
                                             headers={**_JSON, **ep.headers})
         if resp.status != 200:
             raw = await resp.read()
