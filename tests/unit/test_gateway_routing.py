@@ -510,3 +510,18 @@ async def test_provider_stream_that_goes_quiet_past_its_idle_timeout_ends_with_a
         assert "StreamStalled" in r.text and "upstream_stream_error" in r.text and '"!"' not in r.text
     else:
         assert '"!"' in r.text and "error" not in r.text
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/chat/completions", 405),
+    ("PUT", "/v1/completions", 405),
+    ("GET", "/v1/models", 200),
+    ("POST", "/v1/nothing", 404),
+])
+async def test_other_methods_on_the_openai_routes_get_openai_shaped_errors(tmp_path, method, path, status):
+    """The OpenAI routes are answered ahead of FastAPI's stack (POST only); the rest still goes through it."""
+    c = await _client(make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m"))))
+    r = await c.request(method, path)
+    assert r.status_code == status
+    if status >= 400:
+        assert r.json()["error"]["type"] == "invalid_request_error"

@@ -256,6 +256,8 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
     app.add_middleware(AuthMiddleware, gw=gw, trusted_hosts=trusted_hosts, metrics_public=cfg.metrics_public)
     # the two OpenAI routes are answered in front of FastAPI's stack (see OpenAIRoutes); FastAPI answers the rest
     app.openai_routes = OpenAIRoutes(_openai, AuthMiddleware(app, gw, trusted_hosts, cfg.metrics_public))
+    for path in HOT_ROUTES:  # also in FastAPI's router, which then answers other methods with 405
+        app.add_route(path, app.openai_routes, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
