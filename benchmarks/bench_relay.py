@@ -21,6 +21,9 @@ than what it measures; its CPU, the fake's and the gateway's are printed beside 
 machine: the three share it, so read "cores" columns before trusting a ratio). Because the client is
 this light, "direct" with ``--itl-ms 0`` runs at thousands of req/s (an httpx client gets ~660): the
 %direct column is against this client, and with ``--itl-ms 0`` it measures per-request overhead only.
+``--client openai`` drives the same load through the official client (what applications send with; ~11 ms of
+client CPU per 32-token stream here, so the client bounds "direct" and %direct only says whether the gateway
+slows such a user down).
 ``--itl-ms 1`` makes the fake stream token by token, closer to an engine. The header prints the
 machine's load average before and after: other work on the machine moves every figure.
 """
@@ -292,6 +295,50 @@ async def run_load(url: str, model: str, concurrency: int, duration_s: float, ma
     return res
 
 
+async def run_load_openai(url: str, model: str, concurrency: int, duration_s: float, max_tokens: int) -> PhaseResult:
+    """The same load through the official ``openai`` client (httpx underneath): what an application sends with.
+    It costs far more CPU per request than the raw client, so with it "direct" is bounded by the client."""
+    import openai
+
+    res = PhaseResult()
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0,
+                                http_client=None, timeout=60)
+    messages = [{"role": "user", "content": "Say hello to the benchmark."}]
+
+    async def worker(deadline: float) -> None:
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            ttft = None
+            choices = 0
+            try:
+                stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                              stream=True)
+                async for chunk in stream:
+                    if chunk.choices:
+                        choices += 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+            except openai.OpenAIError:
+                res.errors += 1
+                continue
+            if not choices:
+                res.errors += 1
+                continue
+            res.requests += 1
+            res.events += choices
+            res.tokens += choices
+            res.ttfts.append(ttft or 0.0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(t0 + duration_s) for _ in range(concurrency)))
+    res.wall_s = time.perf_counter() - t0
+    await client.close()
+    return res
+
+
+LOADERS = {"raw": run_load, "openai": run_load_openai}
+
+
 # ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
@@ -330,10 +377,10 @@ def cpu_s(p: psutil.Process) -> float:
 
 
 def measure(url: str, model: str, concurrency: int, duration_s: float, max_tokens: int,
-            procs: dict[str, psutil.Process]) -> PhaseResult:
+            procs: dict[str, psutil.Process], client: str = "raw") -> PhaseResult:
     me = psutil.Process()
     before = {n: cpu_s(p) for n, p in {**procs, "client": me}.items()}
-    res = asyncio.run(run_load(url, model, concurrency, duration_s, max_tokens))
+    res = asyncio.run(LOADERS[client](url, model, concurrency, duration_s, max_tokens))
     res.cpu = {n: cpu_s(p) - before[n] for n, p in {**procs, "client": me}.items()}
     return res
 
@@ -375,6 +422,9 @@ def main() -> None:
     ap.add_argument("--fleet-tokens-s", type=float, default=50_000.0, help="fleet output rate to size gateways for")
     ap.add_argument("--profile", type=Path, help="cProfile the first variant's gateway into this file")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    ap.add_argument("--client", choices=sorted(LOADERS), default="raw",
+                    help="load generator: raw asyncio (cheapest; measures the relay's own ceiling) or the official "
+                         "openai client (what applications send with; it bounds 'direct' at this machine's 2 cores)")
     # child-process mode
     ap.add_argument("--serve-gateway", help=argparse.SUPPRESS)
     ap.add_argument("--fake-url", help=argparse.SUPPRESS)
@@ -411,7 +461,7 @@ def main() -> None:
             for name, url, model, mode, gw in phases:  # warm every path once (connections, imports, caches)
                 if mode:
                     http_json("POST", f"{gw.url}/admin/overflow", {"model": "m", "mode": mode}, admin_key)
-                measure(url, model, args.concurrency, 1.0, args.max_tokens, {"fake": fake_ps})
+                measure(url, model, args.concurrency, 1.0, args.max_tokens, {"fake": fake_ps}, args.client)
             for r in range(args.rounds):
                 order = phases if r % 2 == 0 else phases[::-1]  # alternate so that drift hits every path alike
                 for name, url, model, mode, gw in order:
@@ -423,7 +473,7 @@ def main() -> None:
                     procs = {"fake": fake_ps, **({"gateway": gw.ps} if gw else {})}
                     for c in conc_levels:
                         dur = args.duration if c == args.concurrency else args.ttft_duration
-                        res = measure(url, model, c, dur, args.max_tokens, procs)
+                        res = measure(url, model, c, dur, args.max_tokens, procs, args.client)
                         results[name].setdefault(c, []).append(res)
                         print(f"round {r + 1} {name:28s} c={c:<3d} {res.requests / res.wall_s:8.1f} req/s "
                               f"P50 TTFT {pct(res.ttfts, 0.5) * 1000:6.2f} ms  errors {res.errors}", flush=True)
@@ -442,7 +492,7 @@ def report(args, results, phases) -> None:
     cpu = os.cpu_count()
     print()
     print(f"# bench_relay  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {cpu} cores  "
-          f"{args.rounds} rounds x {args.duration:g} s  {c} concurrent {args.max_tokens}-token chat streams  "
+          f"{args.rounds} rounds x {args.duration:g} s  {args.client} client  {c} concurrent {args.max_tokens}-token chat streams  "
           f"fake TTFT {args.ttft_ms:g} ms ITL {args.itl_ms:g} ms  load average {args.load_before} -> "
           f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     head = (f"{'path':28s} {'req/s':>7s} {'%direct':>7s} {'events/s':>9s} {'P50 TTFT':>9s} {'P99 TTFT':>9s} "
