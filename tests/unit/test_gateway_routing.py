@@ -3,6 +3,7 @@ error shapes, streaming relay, auth. Claims about the real system live in tests/
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -525,3 +526,25 @@ async def test_other_methods_on_the_openai_routes_get_openai_shaped_errors(tmp_p
     assert r.status_code == status
     if status >= 400:
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_stream_whose_upstream_lingers_after_done_is_recorded_as_served(tmp_path):
+    """[DONE] reaches the client and completes its response; the upstream's own end comes later (Ray Serve
+    sends the chunked terminator in a later read). The client closing its finished exchange meanwhile is not
+    a cancellation: the request counts as served (200), with its tokens."""
+    events = sse_events("m", ["Par", "is"])
+
+    def local(req):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=_StallingStream(events, 0.5, []))
+
+    app = make_gateway(tmp_path, local)
+    c = await _client(app)
+    r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    gw = app.state.gateway
+    await asyncio.sleep(1.0)  # the relay reads the upstream to its end, then records
+    await gw.recorder.flush()
+    served = gw.metrics.requests.labels("m", "local/m", "200")._value.get()
+    cancelled = gw.metrics.requests.labels("m", "local/m", "499")._value.get()
+    assert (served, cancelled) == (1, 0)

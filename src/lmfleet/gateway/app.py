@@ -30,7 +30,7 @@ from lmfleet.config.models import GatewayConfig
 from lmfleet.gateway.access import bearer, host_allowed, key_ok, operator_may_see, read_json
 from lmfleet.gateway.errors import GatewayError, error_body
 from lmfleet.gateway.ops import ops_routes
-from lmfleet.gateway.run import RelayResponse, RequestRun
+from lmfleet.gateway.run import DisconnectWatch, RelayResponse, RequestRun
 from lmfleet.gateway.service import Gateway
 from lmfleet.gateway.validation import Kind, check_content_parts, check_prompt_count, check_size, validate_request
 
@@ -121,16 +121,7 @@ class OpenAIRoutes:
     async def _answer(self, run: RequestRun, stream: bool, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
+        watch = DisconnectWatch(receive, task)
         try:
             try:
                 answer = await (run.stream() if stream else run.unary())
@@ -139,11 +130,12 @@ class OpenAIRoutes:
                 await _send_whole(send, JSONResponse(e.body(), status_code=e.status, headers=e.headers))
                 return
             if isinstance(answer, RelayResponse):
-                await answer.send_to(send)
+                await answer.send_to(send, watch.answered)
             else:
+                watch.answered()
                 await _send_whole(send, answer)
         except asyncio.CancelledError:
-            if not gone:
+            if not watch.gone:
                 raise
             task.uncancel()  # the client left: nobody to answer
         except Exception:
@@ -151,7 +143,7 @@ class OpenAIRoutes:
             with contextlib.suppress(Exception):  # fails once the response has started: the stream just ends
                 await _send_whole(send, JSONResponse(error_body("Internal gateway error.", "server_error"), 500))
         finally:
-            watcher.cancel()
+            watch.stop()
 
 
 async def _send_whole(send: Send, r: Response) -> None:

@@ -178,39 +178,61 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         relay = asyncio.current_task()
         assert relay is not None
-        gone = asyncio.Event()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-            relay.cancel()
-
-        watcher = asyncio.ensure_future(watch())
+        watch = DisconnectWatch(receive, relay)
         try:
-            await self.send_to(send)
+            await self.send_to(send, watch.answered)
         except asyncio.CancelledError:
-            if not gone.is_set():
+            if not watch.gone:
                 raise
             relay.uncancel()  # the client left: nothing more to do
         finally:
-            watcher.cancel()
+            watch.stop()
 
-    async def send_to(self, send: Send) -> None:
-        """Send the answer; whoever calls it watches for the client leaving (and cancels this)."""
+    async def send_to(self, send: Send, answered: Callable[[], None] | None = None) -> None:
+        """Send the answer. Whoever calls it watches for the client leaving (and cancels this); ``answered`` is
+        called once the response is complete, when the client may close its end while the relay still
+        finishes its bookkeeping (reading the upstream to its end)."""
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             blocks = self.body_iterator
             async for block in blocks:
                 if block.endswith(LAST_EVENT):  # the response's end goes out in the same write as its last event
                     await send({"type": "http.response.body", "body": block, "more_body": False})
+                    if answered is not None:
+                        answered()
                     async for _ in blocks:  # the relay's own ending (bookkeeping); nothing more is sent
                         pass
                     return
                 await send({"type": "http.response.body", "body": block, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if answered is not None:
+                answered()
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class DisconnectWatch:
+    """Cancels ``task`` when the client disconnects before its answer is complete (and with it the upstream
+    call); a disconnect after :meth:`answered` is the client closing a finished exchange and changes nothing."""
+
+    def __init__(self, receive: Receive, task: asyncio.Task) -> None:
+        self.gone = False
+        self._done = False
+        self._receive, self._task = receive, task
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        if not self._done:
+            self.gone = True
+            self._task.cancel()
+
+    def answered(self) -> None:
+        self._done = True
+
+    def stop(self) -> None:
+        self._watcher.cancel()
 
 
 class RequestRun:
