@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-unit clean
+.PHONY: install run test test-unit clean chromium
 .DEFAULT_GOAL := run
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -23,10 +23,17 @@ install: $(VENV)/.installed
 run: install
 	$(VENV)/bin/lmfleet serve $(ARGS)
 
-test: install
+# headless Chromium (Debian's package) for the dashboard's browser test; a no-op once installed
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  { $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core; } \
+	  || { [ -z "$$CI" ] && echo "lmfleet: could not install chromium (apt-get as root); the dashboard's browser test will be skipped"; }; }
+
+test: install chromium
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-test-unit: install
+test-unit: install chromium
 	$(VENV)/bin/pytest -m "not e2e" $(PYTEST_ARGS)
 
 clean:

@@ -1,4 +1,4 @@
-"""The operator's routes: liveness, readiness, Prometheus metrics and the admin API (admin key)."""
+"""The operator's routes: liveness, readiness, Prometheus metrics, the admin API (admin key) and the dashboard."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from lmfleet.config.models import GatewayConfig
 from lmfleet.gateway.access import operator_may_see, read_json
+from lmfleet.gateway.dashboard import dashboard_routes
 from lmfleet.gateway.errors import GatewayError
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import OverflowMode
@@ -104,4 +105,5 @@ def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
         total = await asyncio.to_thread(ledger.totals, since, until)
         return {"since": since, "until": until, "rows": [row.as_dict() for row in rows], "total": total.as_dict()}
 
+    r.include_router(dashboard_routes(gw))  # /dashboard (the page) and /admin/dashboard.json (its data)
     return r
