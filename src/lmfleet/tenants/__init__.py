@@ -1,0 +1,49 @@
+"""Tenants and priority classes: who is calling, what they may use, and who waits when the fleet is full.
+
+    directory.py   TenantDirectory: API key (held as a SHA-256 digest) -> Tenant; the flat keys -> "default"
+    window.py      RateWindow: a sliding-window counter, O(1) per request (requests and tokens per minute)
+    admission.py   requested_class() from the x-lmfleet-priority header; admit(): local now / local wait /
+                   provider / 429 with OpenAI's rate-limit headers
+    fairness.py    next_to_dispatch(): classes strictly, tenants least-recently-served, FIFO within a tenant
+
+All pure: no I/O beyond reading key sources in ``TenantDirectory.build``. The config models are in
+``lmfleet.config.tenants``; how the gateway will call these is in docs/tenants.md.
+"""
+
+from lmfleet.tenants.admission import (
+    PRIORITY_HEADER,
+    Admission,
+    Outcome,
+    PriorityHeaderError,
+    Reason,
+    TenantUsage,
+    admit,
+    model_refusal,
+    rate_limit_headers,
+    requested_class,
+)
+from lmfleet.tenants.directory import Tenant, TenantDirectory, TenantKeyError
+from lmfleet.tenants.fairness import Waiting, expired, next_to_dispatch, served
+from lmfleet.tenants.window import RateWindow, format_duration
+
+__all__ = [
+    "PRIORITY_HEADER",
+    "Admission",
+    "Outcome",
+    "PriorityHeaderError",
+    "RateWindow",
+    "Reason",
+    "Tenant",
+    "TenantDirectory",
+    "TenantKeyError",
+    "TenantUsage",
+    "Waiting",
+    "admit",
+    "expired",
+    "format_duration",
+    "model_refusal",
+    "next_to_dispatch",
+    "rate_limit_headers",
+    "requested_class",
+    "served",
+]
