@@ -16,7 +16,8 @@ from lmfleet.config import load_config, parse_config
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 FLEET_FILES = sorted(EXAMPLES.glob("*.yaml"))
 MIX_FILES = sorted((EXAMPLES / "bench").glob("*.yaml"))
-KNOWN_FILES = {*FLEET_FILES, *MIX_FILES, EXAMPLES / "grafana" / "lmfleet.json"}
+KNOWN_FILES = {*FLEET_FILES, *MIX_FILES, EXAMPLES / "grafana" / "lmfleet.json",
+               EXAMPLES / "haproxy" / "lmfleet.cfg"}  # checked by tests/unit/test_serve_gateway_proc.py
 
 
 def test_every_example_file_is_covered_here():

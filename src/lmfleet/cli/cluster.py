@@ -9,6 +9,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -158,8 +159,10 @@ def status(
 ) -> None:
     """Nodes (alive/dead, CPUs, GPUs and free memory, labels), replicas and where they run, per-model load."""
     from lmfleet.cluster.probe import collect_status
+    from lmfleet.serve.gateway_proc import present_ray_token
 
     cfg = load_or_exit(config) if config else None
+    present_ray_token()  # a head started by `lmfleet serve` (ray.init) requires the token too
     gateway_url = gateway
     admin_key = None
     if cfg is not None:
@@ -170,10 +173,40 @@ def status(
         st = collect_status(address, gateway_url, admin_key, fleet=cfg)
     except ConnectionError as e:
         fail(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS / cluster.address / auto'}: {e}", 1)
+    rows = _gateways()
     if as_json:
-        typer.echo(json.dumps(st.to_dict(), indent=2))
+        out = st.to_dict()
+        if rows is not None:
+            out["gateways"] = [{**asdict(r), "workers": r.workers} for r in rows]
+        typer.echo(json.dumps(out, indent=2))
     else:
         from lmfleet.cluster.status import render_status
 
         typer.echo(render_status(st), nl=False)
+        if rows is not None:
+            typer.echo(render_gateways(rows), nl=False)
     raise typer.Exit(0 if st.state == "healthy" else 3)
+
+
+def _gateways() -> list | None:
+    """Every gateway of the cluster's fleets, from their registry (lmfleet.gateway.peers); None if unknown."""
+    from lmfleet.gateway.peers import gateway_rows, list_gateways
+
+    try:
+        answer = list_gateways()
+    except Exception as e:  # the status of nodes and replicas is still worth printing
+        typer.echo(f"warning: cannot read the gateway registry: {e}", err=True)
+        return None
+    return gateway_rows(answer) if answer is not None else []
+
+
+def render_gateways(rows: list) -> str:
+    """The gateways section of `lmfleet cluster status`."""
+    if not rows:
+        return "\nGateways: none registered\n"
+    lines = ["", "Gateways:", f"  {'address':<24} {'role':<8} {'processes':<9} {'in-flight':>9}  {'last seen':<10} pids"]
+    for r in rows:
+        seen = f"{r.last_seen_s:.0f} s ago" + ("" if r.fresh else " (gone?)")
+        lines.append(f"  {r.address:<24} {r.role:<8} {r.workers:<9} {r.in_flight:>9}  {seen:<10} "
+                     f"{','.join(map(str, r.pids))}")
+    return "\n".join(lines) + "\n"

@@ -49,9 +49,10 @@ def config_default() -> None:
 
 
 def _register() -> None:
-    from lmfleet.cli import bench, check, cluster, serve, usage
+    from lmfleet.cli import bench, check, cluster, gateway, serve, usage
 
     app.command("serve")(serve.serve)
+    app.command("gateway")(gateway.gateway)
     app.command("check")(check.check)
     app.command("usage")(usage.usage)
     app.add_typer(cluster.app, name="cluster")

@@ -18,6 +18,8 @@ def serve(
     address: Optional[str] = typer.Option(
         None, "--address", help="Ray cluster to join (else RAY_ADDRESS, then cluster.address, else a local head)."),
     deploy_timeout: float = typer.Option(900.0, help="Seconds to wait for every engine to come up."),
+    gateway_workers: Optional[int] = typer.Option(
+        None, "--gateway-workers", min=1, help="Gateway processes sharing the port (default: gateway.workers, 1)."),
 ) -> None:
     """Deploy every model of the fleet on Ray Serve (vLLM engines) and serve the OpenAI-compatible gateway."""
     from lmfleet.serve.runner import run_serve
@@ -27,5 +29,6 @@ def serve(
     for noisy in ("httpx", "ray", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     code = run_serve(fleet, host=host or fleet.gateway.host, port=port or fleet.gateway.port, address=address,
-                     deploy_timeout_s=deploy_timeout, progress=lambda s: typer.echo(s, err=False))
+                     deploy_timeout_s=deploy_timeout, progress=lambda s: typer.echo(s, err=False),
+                     workers=gateway_workers, config_path=config)
     raise typer.Exit(code)

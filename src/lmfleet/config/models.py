@@ -260,6 +260,11 @@ class GatewayConfig(_Strict):
         1000, ge=1, description="Connections + requests the gateway holds at once; beyond it new requests get 503. "
         "Null: no cap."
     )
+    workers: int = Field(
+        1, ge=1, le=64, description="Gateway processes sharing gateway.port on this node (SO_REUSEPORT), each with "
+        "its own event loop (each serves its own /metrics). 1 suits a 2-core node; about one per spare core beyond "
+        "that (docs/gateways.md)."
+    )
     health_poll_s: float = Field(2.0, gt=0, description="How often the gateway polls deployment health.")
     engine_metrics_poll_s: float = Field(
         5.0, ge=0, description="How often the gateway reads vLLM's running/waiting counts from every Ray node's "

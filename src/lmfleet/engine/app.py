@@ -166,6 +166,17 @@ def build_model_apps(fleet: FleetConfig, progress: Callable[[str], None] = print
     return apps
 
 
+def gateway_model_apps(fleet: FleetConfig, progress: Callable[[str], None] = print) -> list[ModelApp]:
+    """The records a gateway needs (tokenizer, context length, capacity, price) for models that another process
+    deployed: no Serve LLM config (``lmfleet gateway``)."""
+    apps = []
+    for model in fleet.models:
+        path = resolve_source(model.source, progress=progress)
+        tok = resolve_source(model.tokenizer, progress=progress) if model.tokenizer else path
+        apps.append(resolve_model(model, path, tok))
+    return apps
+
+
 def bind_app(app: ModelApp):
     from ray.serve.llm import build_openai_app
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from lmfleet.gateway.backends import ProviderBackend
 from lmfleet.gateway.health import HealthBoard
 from lmfleet.gateway.metrics import GatewayMetrics
+from lmfleet.gateway.peers import PeerBoard
 from lmfleet.gateway.pollers import EngineStatsPoller
 from lmfleet.gateway.router import Router
 from lmfleet.gateway.run import Recorder
@@ -29,6 +30,8 @@ class Gateway:
     admin_key: str | None
     """None: the admin API is disabled."""
     engine_stats: EngineStatsPoller | None = None
+    peers: PeerBoard | None = None
+    """Set by the process that runs the gateway on a Ray cluster (lmfleet.gateway.peers); None in tests."""
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -43,10 +46,14 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self.health.run()))
         if self.engine_stats is not None:
             self._tasks.append(asyncio.create_task(self.engine_stats.run()))
+        if self.peers is not None:
+            self._tasks.append(asyncio.create_task(self.peers.run()))
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self.peers is not None:
+            await self.peers.leave()
         await self.recorder.close()
         for c in self.clients:
             await c.close()

@@ -29,6 +29,10 @@ How the figures are measured
   unqueued samples arrive, and the last ones known are the best guess.
 * **Engine stats** (optional): vLLM's ``num_requests_running`` / ``num_requests_waiting`` as last
   set by :meth:`LoadTracker.set_engine_stats`; reported only while younger than ``engine_stats_ttl_s``.
+* **Other gateways** (optional, several gateway processes or nodes): their in-flight requests to
+  this model and their drain rates, as last set by :meth:`LoadTracker.set_peer_load`, are added to
+  this gateway's own (same ``engine_stats_ttl_s``), so every gateway estimates the queue they all
+  feed and N gateways overflow at the point one would.
 
 Cost per request
 ----------------
@@ -161,6 +165,7 @@ class LoadTracker:
         self._busy_closed_s = 0.0  # sum of end - start over self._busy
         self._busy_since: float | None = None  # start of the open spell, while a request is in flight
         self._engine: tuple[float, int, int] | None = None  # (set_at, running, waiting)
+        self._peers: tuple[float, int, float] | None = None  # (set_at, in_flight, drain_rps) of other gateways
 
     # -- events --------------------------------------------------------------------------------
 
@@ -200,13 +205,20 @@ class LoadTracker:
         """vLLM's num_requests_running / num_requests_waiting summed over replicas, when scraped."""
         self._engine = (self._now(now), max(0, running), max(0, waiting))
 
+    def set_peer_load(self, in_flight: int, drain_rps: float, now: float | None = None) -> None:
+        """The other gateways' requests to this model in flight and their drain rate (summed), as they last
+        reported (:mod:`lmfleet.gateway.peers`): N gateways then estimate the queue every one of them feeds."""
+        self._peers = (self._now(now), max(0, in_flight), max(0.0, drain_rps))
+
     # -- reading ---------------------------------------------------------------------------------
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
 
-    def snapshot(self, now: float | None = None) -> QueueSignals:
+    def snapshot(self, now: float | None = None, *, with_peers: bool = True) -> QueueSignals:
+        """This model's signals now; ``with_peers=False``: this gateway's own requests only (what it reports to
+        the other gateways)."""
         t = self._now(now)
         self._expire(t)
         n = len(self._completions)
@@ -218,9 +230,15 @@ class LoadTracker:
         running = waiting = None
         if self._engine is not None and t - self._engine[0] <= self.engine_stats_ttl_s:
             _, running, waiting = self._engine
+        in_flight = self._in_flight
+        if with_peers and self._peers is not None and t - self._peers[0] <= self.engine_stats_ttl_s:
+            _, peer_in_flight, peer_drain = self._peers
+            in_flight += peer_in_flight
+            if peer_drain > 0:  # the engines drain everyone's requests: the drain rate is the sum
+                drain = (drain or 0.0) + peer_drain
         return QueueSignals(
             now=t,
-            in_flight=self._in_flight,
+            in_flight=in_flight,
             drain_rps=drain,
             output_tps=tps,
             ttft_s=self._ttfts.median(),

@@ -5,7 +5,9 @@ Lifecycle, in order::
     ray = connect_or_start()            # join --address / RAY_ADDRESS / cluster.address, else a local head
     apps = deploy(fleet)                # one Serve LLM application per model, started in parallel
     gateway listens at once (/health, /ready report progress); "ready" banner once every model runs
-    SIGINT/SIGTERM -> gateway drains -> our Serve apps deleted -> Ray stopped if we started it
+    gateway.workers > 1: that many - 1 more gateway processes on the same port (lmfleet.serve.gateway_proc)
+    SIGINT/SIGTERM -> gateways drain (workers: SIGTERM, SIGKILL after 15 s) -> our Serve apps deleted
+                   -> Ray stopped if we started it
                    -> any process we started that is still alive is terminated, then killed
 
 The last step exists because vLLM engine processes and Ray agents can outlive their parents.
@@ -18,19 +20,19 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
-import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lmfleet.config.models import FleetConfig
+from lmfleet.serve.apps import DeployError, app_states, wait_until_running
 from lmfleet.serve.processes import ProcessReaper
 
+__all__ = ["DeployError", "app_states", "run_serve", "wait_until_running"]
+
 log = logging.getLogger("lmfleet.serve")
-
-
-class DeployError(RuntimeError):
-    """A model's deployment failed; the message says which and why."""
 
 
 HAPROXY_START_S = 90.0  # Serve's HAProxyManager starts HAProxy within seconds; a loaded 2-core machine is slower
@@ -118,89 +120,34 @@ def deploy(apps: list[Any]) -> None:
         raise DeployError(f"Ray Serve refused the deployment of {[a.name for a in apps]}: {e}") from None
 
 
-def app_states(app_names: list[str]) -> dict[str, tuple[str, str]]:
-    """Serve application name -> (status, message)."""
-    from ray import serve
-
-    st = serve.status().applications
-    out = {}
-    for name in app_names:
-        a = st.get(name)
-        if a is None:
-            out[name] = ("NOT_STARTED", "")
-            continue
-        msgs = [a.message] + [f"{d}: {o.message}" for d, o in a.deployments.items() if o.message]
-        out[name] = (str(getattr(a.status, "value", a.status)), "\n".join(m for m in msgs if m))
-    return out
-
-
-def wait_until_running(app_names: dict[str, str], timeout_s: float, progress: Callable[[str], None],
-                       stop: Callable[[], bool]) -> None:
-    """Block until every app is RUNNING; raise DeployError on failure or timeout. ``app_names``: model -> app."""
-    t0 = time.monotonic()
-    last, last_at = "", 0.0
-    while True:
-        states = app_states(list(app_names.values()))
-        failed = {m: states[a] for m, a in app_names.items() if states[a][0] == "DEPLOY_FAILED"}
-        if failed:
-            detail = "\n".join(f"  {m}: {msg[-3000:]}" for m, (_, msg) in failed.items())
-            raise DeployError(f"deployment failed for {sorted(failed)}:\n{detail}")
-        if all(states[a][0] == "RUNNING" for a in app_names.values()):
-            return
-        line = ", ".join(f"{m}: {states[a][0].lower()}" for m, a in app_names.items())
-        elapsed = time.monotonic() - t0
-        if line != last or elapsed - last_at >= 15:
-            progress(f"lmfleet: [{elapsed:5.0f} s] waiting for engines ({line})")
-            last, last_at = line, elapsed
-        if elapsed > timeout_s:
-            raise DeployError(f"models not running after {timeout_s:.0f} s ({line}); see Ray's serve logs")
-        if stop():
-            raise KeyboardInterrupt
-        time.sleep(1.0)
-
-
 # ---------------------------------------------------------------------------------------------
 # the gateway (assembled by lmfleet.gateway.build_gateway)
 # ---------------------------------------------------------------------------------------------
-class _Server:
-    """uvicorn.Server without its own signal handling (we own SIGINT/SIGTERM)."""
-
-    def __new__(cls, config):
-        import uvicorn
-
-        class S(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                yield
-
-        return S(config)
-
-
-async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, started_ray: bool,
-               progress: Callable[[str], None], deploy_timeout_s: float) -> int:
-    import uvicorn
-
+async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progress: Callable[[str], None],
+               deploy_timeout_s: float, workers: int, config_path: Path | None,
+               procs: list[subprocess.Popen]) -> int:
     from lmfleet.gateway import build_gateway
     from lmfleet.gateway.health import serve_status_fetcher
     from lmfleet.gateway.pollers import ray_metrics_fetcher
-    from lmfleet.gateway.server import uvicorn_options
+    from lmfleet.serve.gateway_proc import (
+        WORKER_START_S, GatewayServer, attach_peers, listen_socket, registered_pids, spawn_workers, stop_event,
+        wait_workers_listening)
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-    app = build_gateway(fleet, apps, serve_url=f"http://127.0.0.1:{fleet.gateway.serve_port}", host=host,
+    stop = stop_event()
+    serve_url = f"http://127.0.0.1:{fleet.gateway.serve_port}"
+    app = build_gateway(fleet, apps, serve_url=serve_url, host=host,
                         fetch_status=serve_status_fetcher(), fetch_engine_metrics=ray_metrics_fetcher())
     health = app.state.gateway.health
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=10, lifespan="on", **uvicorn_options(fleet.gateway))
-    server = _Server(config)
-    server_task = asyncio.create_task(server.serve())
-    await asyncio.sleep(0.2)
-    if server_task.done():
-        server_task.result()
+    attach_peers(app, host, port, role="serve")
+    try:
+        sock = listen_socket(host, port, reuse_port=workers > 1)
+    except OSError as e:
+        raise DeployError(str(e)) from None
+    server = GatewayServer(app, fleet, sock)
+    if not await server.start():
+        progress(f"lmfleet: error: the gateway on {host}:{port} stopped at once (see the log above)")
         return 1
+    server_task = server.task
     url = f"http://{host}:{port}"
     progress(f"lmfleet: gateway listening on {url} (not ready until the engines are up; see {url}/ready)")
 
@@ -221,15 +168,30 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, starte
             progress(f"lmfleet: try  curl {url}/v1/chat/completions -H 'content-type: application/json' "
                      f"-d '{{\"model\": \"{apps[0].name}\", \"messages\": [{{\"role\": \"user\", "
                      f"\"content\": \"What is the capital of France?\"}}]}}'")
+            if workers > 1:
+                import ray
+
+                procs.extend(spawn_workers(workers - 1, config_path, host=host, port=port,
+                                           address=ray.get_runtime_context().gcs_address, serve_url=serve_url))
+                late = await wait_workers_listening(procs, WORKER_START_S, registered_pids, stop.is_set)
+                up = workers - len(late)
+                progress(f"lmfleet: {up} of {workers} gateway processes serve {url}"
+                         + (f" (pids {late} not up after {WORKER_START_S:.0f} s)" if late else ""))
+            conf = f" -c {config_path}" if config_path else ""
+            progress(f"lmfleet: more gateways for this fleet, on any node of the cluster: lmfleet gateway{conf} "
+                     f"--address {_gcs_address()} --port <port>")
             progress("lmfleet: Ctrl-C stops everything")
             done, _ = await asyncio.wait({stopper, server_task}, return_when=asyncio.FIRST_COMPLETED)
     if server_task in done and server_task.exception() is not None:
         progress(f"lmfleet: gateway failed: {server_task.exception()}")
         code = 1
     progress("lmfleet: shutting down...")
-    server.should_exit = True
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(server_task, timeout=15)
+    if procs:  # the workers drain alongside this process
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+    await server.stop()
     stopper.cancel()
     if not wait.done():
         stop.set()
@@ -238,22 +200,29 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, starte
     return code
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop where installed (uvicorn's own choice): the relay measured 0.3 ms less added TTFT and a few % more
-    streams/s with it (benchmarks/bench_relay.py, docs/benchmarks.md); else asyncio's default loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
+def _gcs_address() -> str:
+    import ray
+
+    with contextlib.suppress(Exception):
+        return ray.get_runtime_context().gcs_address
+    return "<the head's HOST:PORT>"
 
 
 def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
-              deploy_timeout_s: float = 900.0, progress: Callable[[str], None] = print) -> int:
-    """Run the whole fleet until SIGINT/SIGTERM. Returns the process exit code."""
+              deploy_timeout_s: float = 900.0, progress: Callable[[str], None] = print,
+              workers: int | None = None, config_path: Path | None = None) -> int:
+    """Run the whole fleet until SIGINT/SIGTERM. Returns the process exit code.
+
+    ``workers`` (default ``gateway.workers``): gateway processes on host:port; the extra ones are started after
+    the ready banner (``lmfleet gateway --worker``, re-reading ``config_path``) and stopped before the teardown."""
     from lmfleet.engine.app import build_model_apps
     from lmfleet.gateway.access import GatewayConfigError
 
+    from lmfleet.serve.gateway_proc import loop_factory, stop_workers
+
+    workers = workers or fleet.gateway.workers
+    config_path = config_path.resolve() if config_path else None  # workers and the hint below: any cwd
+    procs: list[subprocess.Popen] = []
     reaper = ProcessReaper()
     started_ray = False
     apps: list[Any] = []
@@ -277,8 +246,8 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
         deploy(apps)
         check_serve_proxy(fleet, local_head=started_ray)
         reaper.snapshot()
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            code = runner.run(_run(fleet, apps, host, port, started_ray, progress, deploy_timeout_s))
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            code = runner.run(_run(fleet, apps, host, port, progress, deploy_timeout_s, workers, config_path, procs))
     except KeyboardInterrupt:
         progress("lmfleet: interrupted")
         code = 130
@@ -291,6 +260,10 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup must finish
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if procs:
+            n = stop_workers(procs)
+            if n:
+                progress(f"lmfleet: killed {n} gateway worker(s) that did not stop in time")
         reaper.snapshot()
         _teardown(apps, started_ray, progress)
         n = reaper.reap()

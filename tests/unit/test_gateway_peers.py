@@ -1,0 +1,235 @@
+"""Gateways that know about each other (lmfleet.gateway.peers): the pure sum of the other gateways' loads, the
+LoadTracker that adds it to its own, the registry's bookkeeping, a PeerBoard against a fake registry call, and
+the rows `lmfleet cluster status` prints."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lmfleet.gateway import peers
+from lmfleet.gateway.peers import GatewayRegistry, PeerBoard, PeerLoad, gateway_rows, peer_loads
+from lmfleet.overflow.estimator import estimate_wait_ms
+from lmfleet.overflow.signals import LoadTracker
+
+
+def _gw(gid, last_seen=100.0, **models):
+    return {"id": gid, "last_seen": last_seen,
+            "models": {m: {"in_flight": n, "drain_rps": d} for m, (n, d) in models.items()}}
+
+
+@pytest.mark.parametrize(
+    "entries, now, expected",
+    [
+        ([], 100.0, {}),
+        # only myself: nothing to add
+        ([_gw("me", a=(5, 1.0))], 100.0, {}),
+        # another gateway's load is counted
+        ([_gw("me", a=(5, 1.0)), _gw("b", a=(3, 0.5))], 100.0, {"a": PeerLoad(3, 0.5)}),
+        # several gateways and models are summed per model
+        ([_gw("b", a=(3, 0.5), c=(1, 0.0)), _gw("d", a=(2, 1.5))], 100.0,
+         {"a": PeerLoad(5, 2.0), "c": PeerLoad(1, 0.0)}),
+        # a gateway that stopped reporting (older than FRESH_S = 5 s) no longer counts
+        ([_gw("b", last_seen=94.0, a=(3, 0.5)), _gw("d", last_seen=96.0, a=(2, 1.5))], 100.0,
+         {"a": PeerLoad(2, 1.5)}),
+        # exactly FRESH_S old still counts
+        ([_gw("b", last_seen=95.0, a=(3, 0.5))], 100.0, {"a": PeerLoad(3, 0.5)}),
+        # missing or null fields read as zero
+        ([{"id": "b", "last_seen": 100.0, "models": {"a": {}}}, {"id": "c", "last_seen": 100.0, "models": None},
+          {"id": "d", "last_seen": 100.0, "models": {"a": {"in_flight": 1, "drain_rps": None}}}], 100.0,
+         {"a": PeerLoad(1, 0.0)}),
+        # no last_seen: never fresh
+        ([{"id": "b", "models": {"a": {"in_flight": 4, "drain_rps": 1.0}}}], 100.0, {}),
+    ],
+)
+def test_peer_loads(entries, now, expected):
+    assert peer_loads(entries, "me", now) == expected
+
+
+def _busy_tracker(own_in_flight: int, completions: int, clock=None) -> LoadTracker:
+    """A tracker that has finished ``completions`` requests over 10 busy seconds and holds ``own_in_flight``."""
+    tr = LoadTracker(4, window_s=30.0, **({"clock": clock} if clock else {}))
+    tickets = [tr.on_start(now=0.0) for _ in range(max(1, completions))]
+    for t in tickets:
+        tr.on_finish(t, 10, ok=completions > 0, now=10.0)
+    for _ in range(own_in_flight):
+        tr.on_start(now=10.0)
+    return tr
+
+
+@pytest.mark.parametrize(
+    "own, completions, peer, peer_at, now, with_peers, in_flight, drain",
+    [
+        # no peer report: own figures only
+        (2, 5, None, None, 10.0, True, 2, 0.5),
+        # peers' in-flight and drain are added to one's own
+        (2, 5, (3, 1.5), 10.0, 10.0, True, 5, 2.0),
+        # what a gateway reports to the others: its own only
+        (2, 5, (3, 1.5), 10.0, 10.0, False, 2, 0.5),
+        # own drain unknown (fewer than min_completions): the peers' drain rate stands
+        (1, 0, (3, 1.5), 10.0, 10.0, True, 4, 1.5),
+        # a peer drain of 0 leaves one's own (unknown) as is
+        (1, 0, (3, 0.0), 10.0, 10.0, True, 4, None),
+        # a peer report older than engine_stats_ttl_s (10 s) is dropped (registry unreachable)
+        (2, 5, (3, 1.5), 10.0, 20.5, True, 2, 0.5 * 10 / 20.5),
+        # negative figures are clamped
+        (0, 5, (-3, -1.0), 10.0, 10.0, True, 0, 0.5),
+    ],
+)
+def test_load_tracker_adds_peer_load(own, completions, peer, peer_at, now, with_peers, in_flight, drain):
+    tr = _busy_tracker(own, completions)
+    if peer is not None:
+        tr.set_peer_load(*peer, now=peer_at)
+    s = tr.snapshot(now, with_peers=with_peers)
+    assert s.in_flight == in_flight
+    assert s.drain_rps == pytest.approx(drain) if drain is not None else s.drain_rps is None
+    assert tr.in_flight == own  # the tracker's own count never includes the peers
+
+
+def test_two_gateways_see_the_queue_one_gateway_would():
+    """The point of it all: split one gateway's load (8 in flight, 10 drained in 10 s) over two gateways that
+    know each other's load, and each predicts the wait the one gateway would."""
+    one = _busy_tracker(8, 10)
+    a, b = _busy_tracker(4, 5), _busy_tracker(4, 5)
+    for me, other in ((a, b), (b, a)):
+        s = other.snapshot(10.0, with_peers=False)
+        me.set_peer_load(s.in_flight, s.drain_rps, now=10.0)
+    alone = estimate_wait_ms(one.snapshot(10.0), 4)
+    assert estimate_wait_ms(a.snapshot(10.0), 4) == pytest.approx(alone)
+    assert estimate_wait_ms(b.snapshot(10.0), 4) == pytest.approx(alone)
+    # without the peers each would see half the queue and a quarter of the wait in the queue
+    assert estimate_wait_ms(a.snapshot(10.0, with_peers=False), 4) < alone
+
+
+@pytest.mark.parametrize(
+    "reports, at, expected_ids",
+    [
+        ([("a", 0.0)], 1.0, ["a"]),
+        ([("a", 0.0), ("b", 0.5)], 1.0, ["a", "b"]),
+        # a report replaces the gateway's previous one
+        ([("a", 0.0), ("a", 0.5)], 1.0, ["a"]),
+        # an entry silent for longer than FORGET_S is dropped at the next report
+        ([("a", 0.0), ("b", peers.FORGET_S + 1)], peers.FORGET_S + 1, ["b"]),
+    ],
+)
+def test_registry_bookkeeping(monkeypatch, reports, at, expected_ids):
+    reg = GatewayRegistry()
+    for gid, t in reports:
+        monkeypatch.setattr(peers.time, "time", lambda t=t: t)
+        answer = reg.report({"id": gid, "port": 1})
+        assert answer["now"] == t
+        assert any(g["id"] == gid and g["last_seen"] == t for g in answer["gateways"])
+    monkeypatch.setattr(peers.time, "time", lambda: at)
+    listed = reg.list()
+    assert listed["now"] == at
+    assert sorted(g["id"] for g in listed["gateways"]) == expected_ids
+    for gid in expected_ids:
+        reg.remove(gid)
+    reg.remove("never-there")
+    assert reg.list()["gateways"] == []
+
+
+class FakeRegistry:
+    """The registry actor's body called in-process, optionally failing the first ``fail`` calls."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.reg = GatewayRegistry()
+        self.fail = fail
+        self.calls: list[str] = []
+
+    def __call__(self, method, arg):
+        self.calls.append(method)
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("registry down")
+        return getattr(self.reg, method)(arg)
+
+
+def test_peer_board_reports_its_own_load_and_applies_the_others():
+    call = FakeRegistry()
+    a_tr, b_tr = {"m": LoadTracker(4)}, {"m": LoadTracker(4)}
+    a = PeerBoard(a_tr, host="127.0.0.1", port=1, call=call)
+    b = PeerBoard(b_tr, host="127.0.0.1", port=1, role="worker", call=call)
+    assert a.id != b.id
+    a_tr["m"].on_start()
+    a_tr["m"].on_start()
+    b_tr["m"].on_start()
+    a.apply(call("report", a.entry()))
+    b.apply(call("report", b.entry()))
+    a.apply(call("report", a.entry()))
+    assert a_tr["m"].snapshot().in_flight == 3 and a_tr["m"].in_flight == 2
+    assert b_tr["m"].snapshot().in_flight == 3 and b_tr["m"].in_flight == 1
+    # a reports its own two, not the three it sees
+    assert a.entry()["models"] == {"m": {"in_flight": 2, "drain_rps": 0.0}}
+    assert {"id", "role", "node", "host", "port", "pid", "started_at", "models"} <= a.entry().keys()
+
+
+async def test_peer_board_keeps_reporting_through_registry_failures():
+    call = FakeRegistry(fail=2)
+    board = PeerBoard({"m": LoadTracker(4)}, host="127.0.0.1", port=1, period_s=0.01, call=call)
+    task = asyncio.create_task(board.run())
+    for _ in range(200):
+        if board.last_ok is not None:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert board.last_ok is not None
+    assert call.calls[:3] == ["report"] * 3
+    await board.leave()
+    assert call.calls[-1] == "remove" and call.reg.list()["gateways"] == []
+
+
+async def test_peer_board_leave_never_raises():
+    def broken(method, arg):
+        raise ConnectionError("gone")
+
+    await PeerBoard({}, host="h", port=1, call=broken).leave()
+
+
+def _entry(gid, host, port, pid, last_seen, role="gateway", node="10.0.0.1", **in_flight):
+    return {"id": gid, "host": host, "port": port, "pid": pid, "last_seen": last_seen, "role": role, "node": node,
+            "models": {m: {"in_flight": n, "drain_rps": 0.0} for m, n in in_flight.items()}}
+
+
+@pytest.mark.parametrize(
+    "gateways, expected",
+    [
+        ([], []),
+        # one serve gateway with two workers on one port is one row of three processes
+        ([_entry("1", "127.0.0.1", 8000, 11, 99.5, "serve", a=1, b=2), _entry("2", "127.0.0.1", 8000, 12, 99.0,
+                                                                               "worker", a=3),
+          _entry("3", "127.0.0.1", 8000, 13, 98.0, "worker")],
+         [("127.0.0.1:8000", "serve", (11, 12, 13), 6, 0.5, True)]),
+        # a gateway on all interfaces is shown at its node's address; rows sorted by address
+        ([_entry("1", "0.0.0.0", 8100, 21, 90.0, node="10.0.0.2", a=1), _entry("2", "10.0.0.1", 8000, 22, 100.0)],
+         [("10.0.0.1:8000", "gateway", (22,), 0, 0.0, True), ("10.0.0.2:8100", "gateway", (21,), 1, 10.0, False)]),
+        # IPv6
+        ([_entry("1", "::1", 8000, 5, 100.0)], [("[::1]:8000", "gateway", (5,), 0, 0.0, True)]),
+    ],
+)
+def test_gateway_rows(gateways, expected):
+    rows = gateway_rows({"now": 100.0, "gateways": gateways})
+    assert [(r.address, r.role, r.pids, r.in_flight, r.last_seen_s, r.fresh) for r in rows] == expected
+    assert [r.workers for r in rows] == [len(e[2]) for e in expected]
+
+
+@pytest.mark.parametrize(
+    "gateways, expected_lines",
+    [
+        ([], ["Gateways: none registered"]),
+        ([_entry("1", "127.0.0.1", 8000, 11, 99.5, "serve", a=1), _entry("2", "127.0.0.1", 8000, 12, 99.0, "worker"),
+          _entry("3", "0.0.0.0", 8100, 21, 80.0, node="10.0.0.2")],
+         ["Gateways:",
+          "  address                  role     processes in-flight  last seen  pids",
+          "  10.0.0.2:8100            gateway  1                 0  20 s ago (gone?) 21",
+          "  127.0.0.1:8000           serve    2                 1  0 s ago    11,12"]),
+    ],
+)
+def test_cluster_status_gateways_section(gateways, expected_lines):
+    from lmfleet.cli.cluster import render_gateways
+
+    text = render_gateways(gateway_rows({"now": 100.0, "gateways": gateways}))
+    assert [ln for ln in text.splitlines() if ln] == expected_lines
