@@ -34,6 +34,7 @@ MODEL = "tiny"  # random weights: fast, and overflow is off for it (every reques
 STREAMS = 8
 LOAD_S = 8.0
 KILL_AT_S = 3.0
+DRAIN_S = 2.0  # the killed gateway's worker finishes what its open connections carry within this
 WORKERS = 2  # the second gateway runs two processes on its port: its workers are tested on the way
 
 
@@ -226,5 +227,11 @@ def test_haproxy_carries_on_when_a_gateway_is_killed_under_load(haproxy, second_
     assert not unstarted_failed, summary
     assert all(o.gateway == "gw2" and o.started < killed_at for o in mid_stream_failed), summary
     assert len(mid_stream_failed) <= len(on_killed), summary
-    after = [o for o in outcomes if o.started > killed_at + 0.1]
-    assert len(after) >= STREAMS and all(not o.error and o.gateway == "gw1" for o in after), summary
+    # every request sent after the kill is answered; the killed gateway's worker (SIGTERM from the kernel) may
+    # still answer on HAProxy's kept-alive connections while it drains, so only after DRAIN_S must it be gw1
+    after = [o for o in outcomes if o.started > killed_at]
+    assert all(not o.error for o in after), summary
+    late = [o for o in after if o.started > killed_at + DRAIN_S]
+    late_on_gw2 = [round(o.started - killed_at, 2) for o in late if o.gateway != "gw1"]
+    assert len(late) >= STREAMS and not late_on_gw2, f"{summary}; after the drain, gw2 answered requests sent " \
+                                                       f"{late_on_gw2} s after the kill"

@@ -15,46 +15,55 @@ OTHER = ProviderCandidate("c", {"other": "x"}, healthy=True)
 
 
 @pytest.mark.parametrize(
-    "estimate, overflowing, mode, enabled, budget, on_exhausted, candidates, target, reason, model_out, retry, next_over",
+    "estimate, overflowing, mode, enabled, budget, on_exhausted, candidates, target, reason, model_out, retry, next_over,"
+    " store_down",
     [
         # below threshold -> local
-        (1000, False, "auto", True, OK, "queue", [A], "local", Reason.LOCAL_OK, None, None, False),
+        (1000, False, "auto", True, OK, "queue", [A], "local", Reason.LOCAL_OK, None, None, False, False),
         # exactly at threshold is not above it
-        (2500, False, "auto", True, OK, "queue", [A], "local", Reason.LOCAL_OK, None, None, False),
+        (2500, False, "auto", True, OK, "queue", [A], "local", Reason.LOCAL_OK, None, None, False, False),
         # above -> first provider
-        (3000, False, "auto", True, OK, "queue", [A, B], "a", Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD, "a-model", None, True),
+        (3000, False, "auto", True, OK, "queue", [A, B], "a", Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD, "a-model", None, True, False),
         # hysteresis: overflowing, 2100 > 2500*0.8=2000 -> keep overflowing
-        (2100, True, "auto", True, OK, "queue", [A], "a", Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD, "a-model", None, True),
+        (2100, True, "auto", True, OK, "queue", [A], "a", Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD, "a-model", None, True, False),
         # hysteresis: overflowing, 1900 < 2000 -> back to local
-        (1900, True, "auto", True, OK, "queue", [A], "local", Reason.LOCAL_OK, None, None, False),
+        (1900, True, "auto", True, OK, "queue", [A], "local", Reason.LOCAL_OK, None, None, False, False),
         # not overflowing, 2100 < 2500 -> local
-        (2100, False, "auto", True, OK, "queue", [A], "local", Reason.LOCAL_OK, None, None, False),
+        (2100, False, "auto", True, OK, "queue", [A], "local", Reason.LOCAL_OK, None, None, False, False),
         # operator switches
-        (9000, True, "force_off", True, OK, "queue", [A], "local", Reason.FORCED_LOCAL, None, None, False),
-        (0, False, "force_on", True, OK, "queue", [A], "a", Reason.FORCED_OVERFLOW, "a-model", None, False),
-        (9000, False, "auto", False, OK, "queue", [A], "local", Reason.OVERFLOW_DISABLED, None, None, False),
+        (9000, True, "force_off", True, OK, "queue", [A], "local", Reason.FORCED_LOCAL, None, None, False, False),
+        (0, False, "force_on", True, OK, "queue", [A], "a", Reason.FORCED_OVERFLOW, "a-model", None, False, False),
+        (9000, False, "auto", False, OK, "queue", [A], "local", Reason.OVERFLOW_DISABLED, None, None, False, False),
         # budget exhausted: queue locally or reject with retry-after; pressure is remembered
-        (9000, False, "auto", True, SPENT, "queue", [A], "local", Reason.BUDGET_EXHAUSTED, None, None, True),
-        (9000, False, "auto", True, SPENT, "reject", [A], "reject", Reason.BUDGET_EXHAUSTED, None, 120.0, True),
-        (0, False, "force_on", True, SPENT, "reject", [A], "reject", Reason.BUDGET_EXHAUSTED, None, 120.0, False),
+        (9000, False, "auto", True, SPENT, "queue", [A], "local", Reason.BUDGET_EXHAUSTED, None, None, True, False),
+        (9000, False, "auto", True, SPENT, "reject", [A], "reject", Reason.BUDGET_EXHAUSTED, None, 120.0, True, False),
+        (0, False, "force_on", True, SPENT, "reject", [A], "reject", Reason.BUDGET_EXHAUSTED, None, 120.0, False, False),
         # exhausted budget is irrelevant when staying local
-        (100, False, "auto", True, SPENT, "reject", [A], "local", Reason.LOCAL_OK, None, None, False),
+        (100, False, "auto", True, SPENT, "reject", [A], "local", Reason.LOCAL_OK, None, None, False, False),
+        # budget store down (no reservation can be held): like an exhausted budget, with a fixed retry-after
+        (9000, False, "auto", True, OK, "queue", [A], "local", Reason.BUDGET_STORE_DOWN, None, None, True, True),
+        (9000, False, "auto", True, OK, "reject", [A], "reject", Reason.BUDGET_STORE_DOWN, None, 10.0, True, True),
+        (0, False, "force_on", True, None, "reject", [A], "reject", Reason.BUDGET_STORE_DOWN, None, 10.0, False, True),
+        (100, False, "auto", True, OK, "reject", [A], "local", Reason.LOCAL_OK, None, None, False, True),
+        (9000, False, "force_off", True, OK, "reject", [A], "local", Reason.FORCED_LOCAL, None, None, False, True),
+        # an exhausted budget's own retry-after wins over the store's
+        (9000, False, "auto", True, SPENT, "reject", [A], "reject", Reason.BUDGET_EXHAUSTED, None, 120.0, True, True),
         # providers: unhealthy skipped, full skipped, model must be mapped
-        (9000, False, "auto", True, OK, "queue", [A_DOWN, B], "b", Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD, "b-model", None, True),
-        (9000, False, "auto", True, OK, "queue", [A_FULL, B], "b", Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD, "b-model", None, True),
-        (9000, False, "auto", True, OK, "queue", [A_DOWN], "local", Reason.NO_HEALTHY_PROVIDER, None, None, True),
-        (9000, False, "auto", True, OK, "queue", [OTHER], "local", Reason.NO_HEALTHY_PROVIDER, None, None, True),
-        (9000, False, "auto", True, OK, "queue", [], "local", Reason.NO_HEALTHY_PROVIDER, None, None, True),
-        (9000, False, "auto", True, OK, "queue", [A_FULL], "local", Reason.PROVIDERS_AT_CAPACITY, None, None, True),
+        (9000, False, "auto", True, OK, "queue", [A_DOWN, B], "b", Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD, "b-model", None, True, False),
+        (9000, False, "auto", True, OK, "queue", [A_FULL, B], "b", Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD, "b-model", None, True, False),
+        (9000, False, "auto", True, OK, "queue", [A_DOWN], "local", Reason.NO_HEALTHY_PROVIDER, None, None, True, False),
+        (9000, False, "auto", True, OK, "queue", [OTHER], "local", Reason.NO_HEALTHY_PROVIDER, None, None, True, False),
+        (9000, False, "auto", True, OK, "queue", [], "local", Reason.NO_HEALTHY_PROVIDER, None, None, True, False),
+        (9000, False, "auto", True, OK, "queue", [A_FULL], "local", Reason.PROVIDERS_AT_CAPACITY, None, None, True, False),
         # no budget configured at all
-        (9000, False, "auto", True, None, "queue", [A], "a", Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD, "a-model", None, True),
+        (9000, False, "auto", True, None, "queue", [A], "a", Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD, "a-model", None, True, False),
     ],
 )
 def test_decide(estimate, overflowing, mode, enabled, budget, on_exhausted, candidates, target, reason, model_out,
-                retry, next_over):
+                retry, next_over, store_down):
     d = decide(model="m", estimate_ms=estimate, threshold_ms=2500, hysteresis=0.2,
                state=HysteresisState(overflowing), mode=OverflowMode(mode), enabled=enabled, budget=budget,
-               on_exhausted=on_exhausted, candidates=candidates)
+               on_exhausted=on_exhausted, candidates=candidates, store_down=store_down)
     # model_out: the chosen provider's name for the model (the gateway reads it from that provider's model_map)
     mapped = next(c.model_map["m"] for c in candidates if c.name == d.target) if d.is_provider else None
     assert (d.target, d.reason, mapped, d.retry_after_s, d.state.overflowing) == (
@@ -82,6 +91,7 @@ def test_decision_helpers(target, local, reject, provider):
 def test_reason_values_are_the_documented_strings():
     assert Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD == "queue_estimate_above_threshold"
     assert Reason.BUDGET_EXHAUSTED.value == "budget_exhausted"
+    assert Reason.BUDGET_STORE_DOWN.value == "budget_store_down"
 
 
 def _fleet_parts(overflow_providers):

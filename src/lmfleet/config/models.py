@@ -324,7 +324,8 @@ class BudgetConfig(_Strict):
     hourly_usd: float | None = Field(None, ge=0, description="External spend cap per rolling hour (USD).")
     daily_usd: float | None = Field(None, ge=0, description="External spend cap per rolling day (USD).")
     on_exhausted: Literal["queue", "reject"] = Field(
-        "queue", description="When spent: keep requests local (queue) or answer 429 with Retry-After (reject)."
+        "queue", description="When spent, or while the budget store (ledger database) is down: keep requests "
+        "that would overflow local (queue) or answer 429 with Retry-After (reject)."
     )
 
 

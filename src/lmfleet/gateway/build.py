@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,20 @@ from lmfleet.gateway.run import Recorder
 from lmfleet.gateway.service import Gateway
 from lmfleet.gateway.tokens import load_tokenizer_or_none
 from lmfleet.gateway.upstream import HttpPool
-from lmfleet.overflow.store import SpendStoreError, caps_for_budget, open_spend_store
+from lmfleet.overflow.store import (
+    Cap,
+    SpendStore,
+    SpendStoreError,
+    StoreUnavailable,
+    caps_for_budget,
+    open_spend_store,
+)
 from lmfleet.overflow import CircuitBreaker, Ledger, LoadTracker, LocalCostMeter, providers_for
 
 log = logging.getLogger("lmfleet.gateway")
 
-__all__ = ["GatewayConfigError", "build_gateway", "check_gateway_access", "load_api_keys", "preflight"]
+__all__ = ["GatewayConfigError", "build_gateway", "check_gateway_access", "check_ledger", "load_api_keys",
+           "preflight"]
 
 
 def load_api_keys(cfg: GatewayConfig, environ: Mapping[str, str]) -> frozenset[str]:
@@ -65,6 +74,35 @@ def preflight(fleet: FleetConfig, host: str | None = None, environ: Mapping[str,
     return check_gateway_access(fleet.gateway, host, environ)
 
 
+def _open_ledger(fleet: FleetConfig, environ: Mapping[str, str]) -> tuple[Ledger, SpendStore | None, list[Cap]]:
+    """The ledger and, when caps are configured, the spend store. Raises :class:`StoreUnavailable` (one line)
+    when a database cannot be reached or opened, :class:`GatewayConfigError` on settings it cannot use."""
+    path = Path(fleet.ledger.path).expanduser()
+    try:
+        ledger = Ledger(path)
+    except (OSError, sqlite3.Error) as e:
+        raise StoreUnavailable(f"ledger database {path}: {e}") from None
+    caps = caps_for_budget(fleet.budget)
+    try:
+        store = open_spend_store(fleet.ledger, environ=environ) if caps else None
+    except StoreUnavailable:
+        ledger.close()
+        raise
+    except SpendStoreError as e:
+        ledger.close()
+        raise GatewayConfigError(f"ledger: {e}") from None
+    return ledger, store, caps
+
+
+def check_ledger(fleet: FleetConfig, environ: Mapping[str, str] | None = None) -> None:
+    """Open the ledger (and the spend store) once and close them: a database that cannot be reached at start
+    fails in seconds (:class:`StoreUnavailable`, one line; the CLI exits 1) instead of after the deploy."""
+    ledger, store, _ = _open_ledger(fleet, os.environ if environ is None else environ)
+    ledger.close()
+    if store is not None:
+        store.close()
+
+
 def _tokenizer(app: ModelApp) -> Any | None:
     return load_tokenizer_or_none(app.tokenizer_path, trust_remote_code=app.cfg.engine.trust_remote_code)
 
@@ -78,23 +116,16 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
 
     ``host``: the address it will listen on (default ``gateway.host``), for the exposure check and the trusted
     Host names. Raises :class:`GatewayConfigError` on settings that would leave it open (see
-    :func:`check_gateway_access`).
+    :func:`check_gateway_access`), :class:`StoreUnavailable` when the ledger's database cannot be reached.
     """
     environ = os.environ if environ is None else environ
     host = host or fleet.gateway.host
     api_keys = preflight(fleet, host, environ)
     metrics = GatewayMetrics()
     health = HealthBoard({a.name: a.app_name for a in apps}, fetch_status, fleet.gateway.health_poll_s)
-    path = Path(fleet.ledger.path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger(path)
-    caps = caps_for_budget(fleet.budget)
-    try:
-        store = open_spend_store(fleet.ledger, environ=environ) if caps else None
-    except SpendStoreError as e:
-        raise GatewayConfigError(f"ledger: {e}") from None
+    ledger, store, caps = _open_ledger(fleet, environ)
     recorder = Recorder(metrics, ledger, {a.name for a in apps}, store)
-    budget = BudgetGuard(store, caps, recorder.submit) if store is not None else None
+    budget = BudgetGuard(store, caps, recorder.submit, metrics=metrics) if store is not None else None
 
     providers: dict[str, ProviderBackend] = {}
     for p in fleet.providers:
@@ -123,7 +154,7 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
         engine_stats = EngineStatsPoller({n: m.local.tracker for n, m in models.items()}, fetch_engine_metrics,
                                          fleet.gateway.engine_metrics_poll_s)
     admin_key = environ.get(fleet.gateway.admin_key_env) if fleet.gateway.admin_key_env else None
-    gw = Gateway(router=Router(models, fleet.budget, ledger, metrics), recorder=recorder,
+    gw = Gateway(router=Router(models, fleet.budget, ledger, metrics, guard=budget), recorder=recorder,
                  health=health, metrics=metrics, providers=providers,
                  clients=[local_client, *(p.client for p in providers.values())],
                  api_keys=api_keys, admin_key=admin_key or None,

@@ -35,3 +35,9 @@ class GatewayMetrics:
             "provider refused the gateway's key or model: alert on it).", ["served_by", "kind"], registry=r)
         self.retries = Counter("lmfleet_upstream_retries", "Attempts that failed before the first byte and were retried.",
                                ["model", "from_target"], registry=r)
+        self.budget_store_failures = Counter(
+            "lmfleet_budget_store_failures", "Budget store (ledger database) calls that failed: reservations and "
+            "recovery probes. Paid providers stay closed while it fails.", registry=r)
+        self.budget_store_up = Gauge("lmfleet_budget_store_up", "0 while the budget store (ledger database) cannot "
+                                     "be used and paid providers are closed, else 1.", registry=r)
+        self.budget_store_up.set(1)

@@ -39,13 +39,22 @@ def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
     async def ready(request: Request) -> JSONResponse:
         _publish_readiness()
         ok = health.all_ready()
+        guard = gw.router.guard
+        if guard is not None:
+            guard.probe_if_due()  # load balancers poll /ready: a store that is back is noticed without traffic
         if not operator_may_see(request.headers, gw.api_keys, gw.admin_key):
             return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
         models = {n: {"ready": h.ready, "degraded": h.degraded, "message": h.message,
                       "running_replicas": h.running_replicas} for n, h in health.models.items()}
         degraded = any(h.degraded for h in health.models.values())
+        body: dict[str, Any] = {"ready": ok, "degraded": degraded, "models": models}
+        if guard is not None:  # a budget store that is down closes paid providers; local traffic goes on
+            store = guard.status()
+            body["budget_store"] = {**store, "message": f"paid providers closed: {store['error']}"
+                                    if not store["up"] else "ok"}
+            body["degraded"] = degraded or not store["up"]
         # 200 while every model can serve (a degraded fleet still takes traffic), 503 otherwise
-        return JSONResponse({"ready": ok, "degraded": degraded, "models": models}, status_code=200 if ok else 503)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @r.get("/metrics")
     async def prometheus() -> Response:

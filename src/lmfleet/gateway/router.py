@@ -19,6 +19,7 @@ from typing import Any
 from lmfleet.config.models import BudgetConfig
 from lmfleet.engine.app import ModelApp
 from lmfleet.gateway.backends import Backend, LocalBackend, ProviderBackend
+from lmfleet.gateway.budget import BudgetGuard
 from lmfleet.gateway.errors import GatewayError
 from lmfleet.gateway.metrics import GatewayMetrics
 from lmfleet.gateway.tokens import count_prompt_tokens, template_overhead, token_bounds
@@ -106,8 +107,10 @@ class Router:
     """Routing decisions for every model of a fleet. Reads load, breakers and budget; never does HTTP."""
 
     def __init__(self, models: dict[str, ServedModel], budget: BudgetConfig, ledger: Ledger | None,
-                 metrics: GatewayMetrics):
+                 metrics: GatewayMetrics, guard: BudgetGuard | None = None):
         self.models = models
+        self.guard = guard
+        """The budget store's guard (None: no caps): while its store is down, the provider route is closed."""
         self.budget = budget
         self.ledger = ledger
         self.metrics = metrics
@@ -164,6 +167,10 @@ class Router:
         candidates = [ProviderCandidate(p.name, p.cfg.model_map, p.healthy(), p.in_flight, p.cfg.max_concurrency)
                       for p in m.providers]
         budget = await self.budget_status() if candidates else None
+        guard = self.guard if candidates else None
+        store_down = guard is not None and guard.is_down
+        if guard is not None and store_down:
+            guard.probe_if_due()  # the route reopens once a probe gets through
         mode = m.mode
         local_down = not m.local.health.is_ready(m.name)
         if local_down and mode is not OverflowMode.FORCE_OFF and candidates:
@@ -171,16 +178,19 @@ class Router:
         o = m.app.cfg.overflow
         d = decide(model=m.name, estimate_ms=estimate, threshold_ms=m.threshold_ms, hysteresis=o.hysteresis,
                    state=m.hysteresis, mode=mode, enabled=o.enabled or m.mode is OverflowMode.FORCE_ON,
-                   budget=budget, on_exhausted=self.budget.on_exhausted, candidates=candidates)
+                   budget=budget, on_exhausted=self.budget.on_exhausted, candidates=candidates,
+                   store_down=store_down)
         m.hysteresis = d.state
         reason = Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider else d.reason
         self._child(self.metrics.overflowed, m.name, d.target, reason.value).inc()
         if d.is_reject:
-            raise GatewayError(429, f"External spending budget exhausted and the local queue for {m.name!r} is "
+            why = ("The budget store cannot be reached, so paid providers are closed,"
+                   if d.reason is Reason.BUDGET_STORE_DOWN else "External spending budget exhausted")
+            raise GatewayError(429, f"{why} and the local queue for {m.name!r} is "
                                f"full (predicted wait {estimate:.0f} ms). Retry later.", code="budget_exhausted",
                                headers={"retry-after": str(max(1, int(d.retry_after_s or 60)))})
         fallbacks: list[Backend] = []
-        if (budget is None or budget.allowed) and m.mode is not OverflowMode.FORCE_OFF:
+        if (budget is None or budget.allowed) and not store_down and m.mode is not OverflowMode.FORCE_OFF:
             fallbacks = [p for p in m.providers if p.name != d.target and p.healthy()]
         if d.is_provider:
             chosen = next(p for p in m.providers if p.name == d.target)

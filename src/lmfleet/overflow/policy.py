@@ -7,6 +7,8 @@ Order of the checks (first match wins)::
     (pressure, or mode force_on)
       budget exhausted, on_exhausted == "reject"        -> reject  "budget_exhausted" (retry_after_s)
       budget exhausted, on_exhausted == "queue"         -> local   "budget_exhausted"
+      budget store down, on_exhausted == "reject"       -> reject  "budget_store_down" (STORE_DOWN_RETRY_S)
+      budget store down, on_exhausted == "queue"        -> local   "budget_store_down"
       no candidate maps the model and its breaker allows -> local  "no_healthy_provider"
       healthy candidates, all at max_concurrency        -> local   "providers_at_capacity"
       first healthy candidate with headroom             -> NAME    "queue_estimate_above_threshold" / "forced_overflow"
@@ -16,6 +18,9 @@ Hysteresis: *pressure* is ``estimate_ms > threshold_ms`` while not overflowing, 
 around the threshold. The caller owns the state: it passes the model's current
 :class:`HysteresisState` and stores ``decision.state`` for the next request. The state follows
 pressure only (a forced mode resets it), so a budget or provider outage does not reset it.
+
+A budget store that is down (the spend ledger cannot be written) is treated as a spent budget: no paid
+request may start while its cost cannot be held, so the provider route is closed until it answers.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from lmfleet.overflow.budget import BudgetStatus
 __all__ = [
     "LOCAL",
     "REJECT",
+    "STORE_DOWN_RETRY_S",
     "HysteresisState",
     "OverflowMode",
     "ProviderCandidate",
@@ -41,6 +47,8 @@ __all__ = [
 
 LOCAL = "local"
 REJECT = "reject"
+STORE_DOWN_RETRY_S = 10.0
+"""Retry-After of a 429 answered because the budget store is down (its recovery time is unknown)."""
 
 
 class OverflowMode(str, enum.Enum):
@@ -58,6 +66,7 @@ class Reason(str, enum.Enum):
     QUEUE_ESTIMATE_ABOVE_THRESHOLD = "queue_estimate_above_threshold"
     FORCED_OVERFLOW = "forced_overflow"
     BUDGET_EXHAUSTED = "budget_exhausted"
+    BUDGET_STORE_DOWN = "budget_store_down"
     NO_HEALTHY_PROVIDER = "no_healthy_provider"
     PROVIDERS_AT_CAPACITY = "providers_at_capacity"
     # set by the gateway, not by decide(): the local deployment is down, or an earlier attempt failed
@@ -122,8 +131,10 @@ def decide(
     budget: BudgetStatus | None = None,
     on_exhausted: str = "queue",
     candidates: Sequence[ProviderCandidate] = (),
+    store_down: bool = False,
 ) -> RouteDecision:
-    """Route one request of ``model`` (see the module docstring for the rules)."""
+    """Route one request of ``model`` (see the module docstring for the rules). ``store_down``: the budget
+    store cannot hold a reservation now (``BudgetGuard.is_down``)."""
     if mode is OverflowMode.FORCE_OFF or not enabled:
         reason = Reason.FORCED_LOCAL if mode is OverflowMode.FORCE_OFF else Reason.OVERFLOW_DISABLED
         return RouteDecision(LOCAL, reason, HysteresisState(False), estimate_ms=estimate_ms)
@@ -139,6 +150,11 @@ def decide(
             return RouteDecision(REJECT, Reason.BUDGET_EXHAUSTED, next_state,
                                  retry_after_s=budget.retry_after_s, estimate_ms=estimate_ms)
         return RouteDecision(LOCAL, Reason.BUDGET_EXHAUSTED, next_state, estimate_ms=estimate_ms)
+    if store_down:
+        if on_exhausted == "reject":
+            return RouteDecision(REJECT, Reason.BUDGET_STORE_DOWN, next_state, retry_after_s=STORE_DOWN_RETRY_S,
+                                 estimate_ms=estimate_ms)
+        return RouteDecision(LOCAL, Reason.BUDGET_STORE_DOWN, next_state, estimate_ms=estimate_ms)
 
     healthy = [c for c in candidates if model in c.model_map and c.healthy]
     if not healthy:

@@ -288,18 +288,20 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
                 wait_timeout_s: float = 900.0, progress: Callable[[str], None] = print) -> int:
     """Run a gateway (and ``workers - 1`` more on the same port) for a fleet deployed by ``lmfleet serve``
     elsewhere in the cluster. ``address``: the Ray head (None: the cluster running on this machine). Returns the
-    exit code: 0 after SIGINT/SIGTERM, 1 (no cluster, port taken, apps failed), 2 (settings that would leave
-    it open), 130 (interrupted while starting)."""
+    exit code: 0 after SIGINT/SIGTERM, 1 (no cluster, port taken, apps failed, ledger database unreachable),
+    2 (settings that would leave it open), 130 (interrupted while starting)."""
     from lmfleet.cluster.connect import connect
     from lmfleet.engine.app import gateway_model_apps
     from lmfleet.gateway.access import GatewayConfigError
-    from lmfleet.gateway.build import preflight
+    from lmfleet.gateway.build import check_ledger, preflight
+    from lmfleet.overflow.store import StoreUnavailable
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     procs: list[subprocess.Popen] = []
     reuse_port = reuse_port or workers > 1
     try:
         preflight(fleet, host)
+        check_ledger(fleet)
         sock = listen_socket(host, port, reuse_port=reuse_port, listen=False)
         if address:
             check_reachable(address)
@@ -325,6 +327,9 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
     except GatewayConfigError as e:
         progress(f"lmfleet: error: {e}")
         return 2
+    except StoreUnavailable as e:  # the ledger's database: at start, or gone by the time the gateway is built
+        progress(f"lmfleet: error: {e} (check ledger.path / ledger.url and that the database is up)")
+        return 1
     except (OSError, RuntimeError) as e:  # ConnectionError is an OSError
         progress(f"lmfleet: error: {e}")
         return 1

@@ -217,6 +217,7 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     the ready banner (``lmfleet gateway --worker``, re-reading ``config_path``) and stopped before the teardown."""
     from lmfleet.engine.app import build_model_apps
     from lmfleet.gateway.access import GatewayConfigError
+    from lmfleet.overflow.store import StoreUnavailable
 
     from lmfleet.serve.gateway_proc import loop_factory, stop_workers
 
@@ -230,9 +231,10 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     # a second Ctrl-C during start-up must still clean up, so SIGTERM behaves like SIGINT until the loop runs
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        from lmfleet.gateway.build import preflight
+        from lmfleet.gateway.build import check_ledger, preflight
 
         preflight(fleet, host)  # a gateway that could not start must not cost minutes of deploying first
+        check_ledger(fleet)
         prepare_serve_proxy(fleet)
         apps = build_model_apps(fleet, progress=progress)
         addr = ray_address(fleet, address)
@@ -257,6 +259,9 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     except GatewayConfigError as e:  # settings that would leave the gateway open
         progress(f"lmfleet: error: {e}")
         code = 2
+    except StoreUnavailable as e:  # the ledger's database: at start, or gone by the time the gateway is built
+        progress(f"lmfleet: error: {e} (check ledger.path / ledger.url and that the database is up)")
+        code = 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup must finish
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
