@@ -16,6 +16,7 @@ import itertools
 import json
 import uuid
 import logging
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from lmfleet.gateway.upstream import STREAM_ERRORS, Endpoint, OpenStream, comple
 from lmfleet.gateway.validation import ParsedRequest
 from lmfleet.overflow import Ledger, Reason
 from lmfleet.overflow.money import usd_to_nusd
-from lmfleet.overflow.store import SpendStore, UsageRecord
+from lmfleet.overflow.store import SpendStore, StoreUnavailable, UsageRecord
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -67,12 +68,25 @@ class Outcome:
     status: int = 200
 
 
+TRANSIENT_WRITE_ERRORS: tuple[type[BaseException], ...] = (sqlite3.OperationalError, OSError, StoreUnavailable)
+"""Ledger write failures worth retrying: the database is locked, full, unreachable or being restarted. Anything
+else (a bug, a row the schema refuses) would fail again: it is logged and the row dropped, as before."""
+
+
 class Recorder:
     """Metrics and the cost ledger of finished requests.
 
     Ledger writes (and budget settlements, which write the ledger row in the same transaction) run off the
-    event loop, one at a time, in the order they were submitted.
+    event loop, one at a time, in the order they were submitted. A write that fails for a transient reason
+    (:data:`TRANSIENT_WRITE_ERRORS`) is retried with backoff until it lands, the rows behind it waiting in
+    order, so a locked, full or restarting database loses no row; at most :attr:`max_pending` rows wait
+    (more are dropped and counted), and :meth:`close` waits for them at most :attr:`close_deadline_s`.
     """
+
+    retry_first_s = 0.5
+    retry_max_s = 5.0
+    close_deadline_s = 10.0
+    max_pending = 100_000
 
     def __init__(self, metrics: GatewayMetrics, ledger: Ledger | None, model_names: set[str],
                  store: SpendStore | None = None):
@@ -83,6 +97,9 @@ class Recorder:
         self._queue: asyncio.Queue[Callable[[], Any]] = asyncio.Queue()
         self._writer: asyncio.Task | None = None
         self._metric_children: dict[tuple[str, str, int], tuple[Any, ...]] = {}
+        self.failing_since: float | None = None
+        """When the write at the head of the queue first failed (None: writes land)."""
+        self.dropped = 0
 
     def start(self) -> None:
         if self.ledger is not None and self._writer is None:
@@ -90,7 +107,18 @@ class Recorder:
 
     def submit(self, write: Callable[[], Any]) -> None:
         """Run ``write`` (blocking I/O) in the writer, after everything submitted before it."""
+        if self._queue.qsize() >= self.max_pending:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 10_000 == 0:
+                log.error("ledger unavailable and %d rows waiting: %d rows dropped so far", self._queue.qsize(),
+                          self.dropped)
+            return
         self._queue.put_nowait(write)
+
+    @property
+    def pending(self) -> int:
+        """Rows submitted and not yet written."""
+        return self._queue.qsize() + (1 if self.failing_since is not None else 0)
 
     async def flush(self) -> None:
         """Wait until the rows of every finished request are in the ledger."""
@@ -99,7 +127,10 @@ class Recorder:
 
     async def close(self) -> None:
         if self._writer is not None:
-            await self._queue.join()
+            try:
+                await asyncio.wait_for(self._queue.join(), self.close_deadline_s)
+            except TimeoutError:
+                log.error("ledger still unavailable at shutdown: %d rows could not be written", self.pending)
             self._writer.cancel()
         if self.store is not None:
             self.store.close()
@@ -108,11 +139,28 @@ class Recorder:
         while True:
             write = await self._queue.get()
             try:
-                await asyncio.to_thread(write)
-            except Exception as e:  # a full disk must not take the gateway down
-                log.error("ledger write failed: %s", e)
+                await self._write_one(write)
             finally:
                 self._queue.task_done()
+
+    async def _write_one(self, write: Callable[[], Any]) -> None:
+        delay = self.retry_first_s
+        while True:
+            try:
+                await asyncio.to_thread(write)
+            except TRANSIENT_WRITE_ERRORS as e:  # retried: the row and those behind it wait, in order
+                if self.failing_since is None:
+                    self.failing_since = time.time()
+                    log.error("ledger write failed (%s: %s); retrying, rows wait in memory", type(e).__name__, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.retry_max_s)
+                continue
+            except Exception as e:  # would fail again: a full disk must not take the gateway down either
+                log.error("ledger write failed and was dropped: %s: %s", type(e).__name__, e)
+            if self.failing_since is not None:
+                log.warning("ledger writes resumed after %.1f s", time.time() - self.failing_since)
+                self.failing_since = None
+            return
 
     def count_error(self, model: str | None, status: int) -> None:
         """An error answer that never reached a backend (validation, routing, give-up)."""

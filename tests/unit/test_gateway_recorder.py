@@ -1,0 +1,94 @@
+"""The Recorder's ledger writer: transient failures are retried in order, nothing else blocks the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+
+import pytest
+
+from lmfleet.gateway.metrics import GatewayMetrics
+from lmfleet.gateway.run import Recorder
+from lmfleet.overflow.store import StoreUnavailable
+
+
+class FakeLedger:
+    """Rows in the order written; fails the first ``fail`` attempts with ``error``."""
+
+    def __init__(self, fail: int = 0, error: BaseException | None = None):
+        self.rows: list[int] = []
+        self.attempts = 0
+        self.fail, self.error = fail, error
+
+    def write(self, row: int):
+        def do():
+            self.attempts += 1
+            if self.fail > 0:
+                self.fail -= 1
+                raise self.error  # type: ignore[misc]
+            self.rows.append(row)
+        return do
+
+
+def recorder(ledger) -> Recorder:
+    r = Recorder(GatewayMetrics(), ledger, {"m"})  # type: ignore[arg-type]
+    r.retry_first_s, r.retry_max_s, r.close_deadline_s = 0.01, 0.02, 0.5
+    return r
+
+
+@pytest.mark.parametrize("fail, error, rows", [
+    (0, None, [0, 1, 2]),
+    (3, sqlite3.OperationalError("database is locked"), [0, 1, 2]),    # retried until it lands, in order
+    (2, OSError(28, "No space left on device"), [0, 1, 2]),
+    (2, StoreUnavailable("postgres is down"), [0, 1, 2]),
+    (1, sqlite3.IntegrityError("constraint failed"), [1, 2]),           # would fail again: dropped, queue moves on
+    (1, ValueError("a bug"), [1, 2]),
+])
+async def test_writes_land_in_order_through_transient_failures(fail, error, rows):
+    ledger = FakeLedger(fail, error)
+    r = recorder(ledger)
+    r.start()
+    for i in range(3):
+        r.submit(ledger.write(i))
+    await asyncio.wait_for(r.flush(), 5)
+    assert ledger.rows == rows
+    assert r.failing_since is None and r.pending == 0
+    await r.close()
+
+
+async def test_an_outage_is_logged_once_and_its_end_once(caplog):
+    ledger = FakeLedger(20, sqlite3.OperationalError("database is locked"))
+    r = recorder(ledger)
+    r.start()
+    with caplog.at_level(logging.WARNING, logger="lmfleet.gateway"):
+        for i in range(5):
+            r.submit(ledger.write(i))
+        await asyncio.wait_for(r.flush(), 5)
+    texts = [rec.getMessage() for rec in caplog.records]
+    assert sum("retrying" in t for t in texts) == 1 and sum("resumed" in t for t in texts) == 1, texts
+    assert ledger.rows == [0, 1, 2, 3, 4] and ledger.attempts == 25
+    await r.close()
+
+
+async def test_close_gives_up_after_its_deadline_and_says_how_many_rows(caplog):
+    ledger = FakeLedger(10**9, sqlite3.OperationalError("unable to open database file"))
+    r = recorder(ledger)
+    r.start()
+    for i in range(4):
+        r.submit(ledger.write(i))
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="lmfleet.gateway"):
+        await r.close()
+    assert time.monotonic() - t0 < 3
+    assert any("4 rows could not be written" in rec.getMessage() for rec in caplog.records), caplog.text
+
+
+async def test_rows_beyond_the_bound_are_dropped_and_counted():
+    ledger = FakeLedger(10**9, sqlite3.OperationalError("database is locked"))
+    r = recorder(ledger)
+    r.max_pending = 3
+    for i in range(5):  # writer not started: everything waits
+        r.submit(ledger.write(i))
+    assert r.pending == 3 and r.dropped == 2
