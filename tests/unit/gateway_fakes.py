@@ -53,7 +53,9 @@ class FakeBackends:
         app.router.add_route("*", "/{key}/{path:.*}", self._handle)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        # a deep accept queue: tests open hundreds of connections at once, and with aiohttp's default of 128 a
+        # loaded machine drops SYNs, whose retries (1, 3, 7 s) then trip the gateway's connect timeouts
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
         loop.run_until_complete(site.start())
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._ready.set()

@@ -169,3 +169,59 @@ def test_check_context(prompt, max_tokens, limit, ok):
 ])
 def test_clean_message(raw, clean):
     assert clean_message(raw) == clean
+
+
+@pytest.mark.parametrize("chunks", [
+    [b"data: a\n\n"],
+    [b"data: a\n", b"\ndata: b\n\n"],
+    [b"data: a\r\n\r\ndata: b"],
+    [b"da", b"ta: [DONE]\n\n"],
+    [b"data: a\r", b"\n\r\ndata: b\r\n\r", b"\n"],
+    [b"data: a\n\ndata: b\n", b"\n"],
+    [b"\n\n\n\n: ping\n\n"],
+    [b"data: a\n\ndata: b\r"],
+    [b"data: 1\n\n", b"data: 2\n\ndata: 3\n", b"\ndata: 4", b"\n\n"],
+    [b"data: 1\n\n", b"d", b"ata: [DONE]\n\n"],  # one byte: no "\n\n" in it, nothing complete
+    [b"d", b"\n", b"\n"],
+])
+def test_feed_block_gives_the_same_events_as_feed(chunks):
+    """The relay's block splitter and the per-event one agree on events and rest, whatever the read edges."""
+    a, b = sse.SSESplitter(), sse.SSESplitter()
+    events = [e for c in chunks for e in a.feed(c)]
+    blocks = [b.feed_block(c) for c in chunks]
+    assert all(blk.endswith(b"\n\n") or blk == b"" for blk in blocks)
+    assert sse.split_events(b"".join(blocks)) == events and b.rest() == a.rest()
+
+
+def test_feed_block_bounds_the_unfinished_event():
+    s = sse.SSESplitter(max_event_bytes=64)
+    assert s.feed_block(b"data: ok\n\ndata: " + b"x" * 40) == b"data: ok\n\n"
+    with pytest.raises(sse.SSEEventTooLarge, match="64-byte limit"):
+        s.feed_block(b"y" * 40)
+    assert s.rest() == b"" and s.feed_block(b"data: ok\n\n") == b"data: ok\n\n"
+
+
+@pytest.mark.parametrize("raw, refused", [
+    pytest.param(b'{"model":"m","messages":[{"role":"user","content":"hi \\u00e9"}]}', False, id="plain-chat"),
+    pytest.param(b'{"a":"\\ud800"}', True, id="lone-surrogate"),
+    pytest.param(b'{"a":"\\uDBFF x"}', True, id="lone-surrogate-upper-case"),
+    pytest.param(b'{"\\udc00":1}', True, id="lone-surrogate-in-a-key"),
+    pytest.param(b'{"a":"\\ud83d\\ude00"}', False, id="surrogate-pair"),
+    pytest.param('{"a":"\\ud800"}'.encode("utf-16-le"), True, id="utf-16-body"),
+    pytest.param(b'{"a":' + b"[" * 70 + b"]" * 70 + b"}", True, id="too-deep"),
+    pytest.param(b'{"a":' + b"[" * 60 + b"]" * 60 + b"}", False, id="deep-but-allowed"),
+    pytest.param(b'{"a":"' + b"[" * 100 + b'"}', False, id="brackets-in-a-string"),
+])
+def test_parse_json_refuses_the_same_bodies_with_the_quick_scan(raw, refused):
+    """The scan that skips the tree walk never lets through a body the walk would refuse."""
+    from lmfleet.gateway.errors import GatewayError
+    from lmfleet.gateway.validation import _may_need_tree_check, parse_json
+
+    try:
+        parse_json(raw)
+        got = False
+    except GatewayError:
+        got = True
+    assert got == refused
+    if refused:
+        assert _may_need_tree_check(raw)

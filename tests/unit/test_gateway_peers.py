@@ -233,3 +233,55 @@ def test_cluster_status_gateways_section(gateways, expected_lines):
 
     text = render_gateways(gateway_rows({"now": 100.0, "gateways": gateways}))
     assert [ln for ln in text.splitlines() if ln] == expected_lines
+
+
+def test_peer_loads_sum_window_tokens():
+    entries = [{"id": "b", "last_seen": 100.0, "models": {"a": {"in_flight": 1, "drain_rps": 0.5, "window_tokens": 300}}},
+               {"id": "c", "last_seen": 100.0, "models": {"a": {"in_flight": 0, "drain_rps": 0.0, "window_tokens": 200}}},
+               {"id": "me", "last_seen": 100.0, "models": {"a": {"window_tokens": 999}}}]
+    assert peer_loads(entries, "me", 100.0) == {"a": PeerLoad(1, 0.5, 500)}
+
+
+@pytest.mark.parametrize("gateways", [1, 2, 4])
+def test_n_gateways_charge_what_one_would(gateways):
+    """The same traffic split over N gateways that share their window counts is charged what one gateway charges
+    (without sharing, each would charge ~N x per token)."""
+    from lmfleet.overflow.cost import LocalCostMeter
+
+    clock = [1000.0]
+
+    def meters(n):
+        return [LocalCostMeter(36.0, window_s=3600.0, min_tokens_per_hour=0.0, clock=lambda: clock[0])
+                for _ in range(n)]
+
+    one, many = meters(1)[0], meters(gateways)
+    clock[0] += 3600.0
+    for i in range(100):  # 100 requests of 360 tokens in the hour, round-robin over the gateways
+        one.record(360)
+        many[i % gateways].record(360)
+    for i, m in enumerate(many):  # what the registry hands each: the others' counts
+        m.set_peer_tokens(sum(o.window_tokens() for j, o in enumerate(many) if j != i))
+    total_one = 100 * one.request_cost_usd(360)
+    total_many = sum(many[i % gateways].request_cost_usd(360) for i in range(100))
+    assert total_one == pytest.approx(36.0) and total_many == pytest.approx(total_one)
+    clock[0] += LocalCostMeter.peer_ttl_s + 1  # the registry went quiet: each counts its own share again
+    assert many[0].usd_per_output_token() == pytest.approx(one.usd_per_output_token() * gateways)
+
+
+async def test_peer_board_reports_and_applies_window_tokens():
+    from lmfleet.overflow.cost import LocalCostMeter
+
+    tr = LoadTracker(4, window_s=30.0)
+    meter = LocalCostMeter(1.0, min_tokens_per_hour=0.0)
+    meter.record(42)
+    sent = []
+
+    def call(method, arg):
+        sent.append(arg)
+        return {"now": 100.0, "gateways": [{**arg, "last_seen": 100.0},
+                                           {"id": "other", "last_seen": 100.0, "models": {"a": {"window_tokens": 58}}}]}
+
+    board = PeerBoard({"a": tr}, host="127.0.0.1", port=1, call=call, meters={"a": meter})
+    board.apply(call("report", board.entry()))
+    assert sent[0]["models"]["a"]["window_tokens"] == 42
+    assert meter._peer is not None and meter._peer[1] == 58

@@ -8,13 +8,12 @@ import socket
 import sqlite3
 import threading
 import time
-import uuid
 
 import pytest
 from pydantic import ValidationError
 
 from lmfleet.config.models import BudgetConfig, LedgerConfig, ProviderPrice
-from lmfleet.overflow.ledger import Ledger
+from lmfleet.overflow.ledger import Ledger, open_ledger
 from lmfleet.overflow.store import (
     GLOBAL,
     Cap,
@@ -33,6 +32,7 @@ from lmfleet.overflow.store import (
     worst_case_cost_nusd,
 )
 from tests.support.pg_server import PgServer, PgUnavailable
+from tests.support.pg_shared import fresh_database, shared_pg_server
 
 # a store test that waits on a lock or a server must fail, not hang the whole run (CI has 90 minutes)
 pytestmark = pytest.mark.timeout(180)
@@ -129,18 +129,12 @@ def _start_pg() -> PgServer:
 
 @pytest.fixture(scope="session")
 def pg_server():
-    server = _start_pg()
-    yield server
-    server.destroy()
+    pytest.importorskip("psycopg", reason="the PostgreSQL client is missing: pip install -e '.[test]'")
+    try:
+        return shared_pg_server()  # one server for every module of the session (the ledger tests use it too)
+    except PgUnavailable as e:
+        pytest.skip(f"PostgreSQL server cannot be started here: {e}")
 
-
-def _fresh_pg_db(server: PgServer) -> str:
-    import psycopg
-
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server.url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return server.url.rsplit("/", 1)[0] + "/" + name
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -148,7 +142,7 @@ def target(request, tmp_path):
     """(backend, where): a fresh SQLite file or a fresh PostgreSQL database."""
     if request.param == "sqlite":
         return "sqlite", str(tmp_path / "ledger.sqlite")
-    return "postgres", _fresh_pg_db(request.getfixturevalue("pg_server"))
+    return "postgres", fresh_database(request.getfixturevalue("pg_server"))
 
 
 def _open(target, **kw):
@@ -215,18 +209,15 @@ def test_settle_writes_the_ledger_row(target):
     backend, where = target
     with _open(target, clock=Clock()) as store:
         store.settle(store.reserve("a", 500, [H]), 321, ROW)
-        store.record(UsageRecord("m", "local/m", "local_ok", 3, 4, "ok"), 7)
+        store.record(UsageRecord("m", "local/m", "local_ok", 3, 4, "ok", tenant="acme"), 7)
         store.release(store.reserve("b", 500, [H]), UsageRecord("m", "provider/acme", "overflow", 3, 0, "502"))
-    if backend == "sqlite":  # the existing Ledger reads the same rows (same file, same table)
-        with Ledger(where) as led:
-            rows = [(r["served_by"], r["status"], round(r["cost_usd"] * 1e9)) for r in led.rows()]
-    else:
-        import psycopg
-
-        with psycopg.connect(where) as conn:
-            rows = conn.execute("SELECT served_by, status, cost_nusd FROM requests ORDER BY id").fetchall()
-    assert [tuple(r) for r in rows] == [("provider/acme", "ok", 321), ("local/m", "ok", 7),
-                                        ("provider/acme", "502", 0)]
+    # the ledger reads the same rows (same file or database, same table)
+    cfg = LedgerConfig(path=where) if backend == "sqlite" else LedgerConfig(url=where)
+    with open_ledger(cfg) as led:
+        rows = [(r["served_by"], r["status"], round(r["cost_usd"] * 1e9), r["tenant"]) for r in led.rows()]
+        by_tenant = {r.name: r.requests for r in led.summary(by="tenant")}
+    assert rows == [("provider/acme", "ok", 321, None), ("local/m", "ok", 7, "acme"), ("provider/acme", "502", 0, None)]
+    assert by_tenant == {"default": 2, "acme": 1}
 
 
 def test_schema_is_migrated_once_and_reopens(target):

@@ -1,6 +1,8 @@
-"""`lmfleet usage`: --since parsing, table and JSON output from a ledger file."""
+"""`lmfleet usage`: --since parsing, table and JSON output, by backend or tenant, from a ledger file or a
+PostgreSQL ledger (ledger.url); errors and exit codes."""
 
 import json
+import socket
 import time
 from datetime import datetime, timezone
 
@@ -9,7 +11,10 @@ from typer.testing import CliRunner
 
 from lmfleet.cli.main import app
 from lmfleet.cli.usage import parse_since
-from lmfleet.overflow.ledger import Ledger
+from lmfleet.config.models import LedgerConfig
+from lmfleet.overflow.ledger import Ledger, open_ledger
+from tests.support.pg_server import PgUnavailable
+from tests.support.pg_shared import fresh_database, shared_pg_server
 
 NOW = 1_800_000_000.0
 ISO = datetime(2027, 1, 15, 8, 0, tzinfo=timezone.utc).timestamp()
@@ -48,7 +53,7 @@ def ledger_path(tmp_path):
         for ago, sb, i, o, c in [(10, "local/smollm2", 100, 200, 0.001), (20, "provider/acme", 50, 1000, 0.0006),
                                  (7200, "provider/acme", 50, 1000, 0.0006)]:
             led.record(model="smollm2", served_by=sb, route_reason="x", input_tokens=i, output_tokens=o,
-                       status="ok", cost_usd=c, ts=now - ago)
+                       status="ok", cost_usd=c, ts=now - ago, tenant="acme" if sb == "provider/acme" else None)
     return path
 
 
@@ -94,3 +99,79 @@ def test_usage_errors(ledger_path, args, code, message):
     res = CliRunner().invoke(app, ["usage", *args])
     assert res.exit_code == code
     assert message in res.output
+
+
+@pytest.mark.parametrize(
+    "since, expected",
+    # cost in nano-dollars
+    [(None, {"acme": (2, 1_200_000), "default": (1, 1_000_000)}),
+     ("1h", {"default": (1, 1_000_000), "acme": (1, 600_000)})],
+)
+def test_usage_by_tenant(ledger_path, since, expected):
+    args = ["usage", "--ledger", str(ledger_path), "--json", "--by", "tenant"] + (["--since", since] if since else [])
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["by"] == "tenant"
+    assert {r["tenant"]: (r["requests"], round(r["cost_usd"] * 1e9)) for r in out["rows"]} == expected
+    assert out["total"]["tenant"] == "total"
+    table = CliRunner().invoke(app, ["usage", "--ledger", str(ledger_path), "--by", "tenant"], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "tenant" in table.output and "default" in table.output
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    pytest.importorskip("psycopg", reason="the PostgreSQL client is missing: pip install -e '.[test]'")
+    try:
+        return shared_pg_server()
+    except PgUnavailable as e:
+        pytest.skip(f"PostgreSQL server cannot be started here: {e}")
+
+
+def _fleet_file(tmp_path, ledger: str) -> str:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"models:\n  - name: tiny\n    source: builtin:tiny-random\nledger:\n{ledger}")
+    return str(fleet)
+
+
+def test_usage_reads_the_postgres_ledger(tmp_path, pg_server):
+    url = fresh_database(pg_server)
+    with open_ledger(LedgerConfig(url=url)) as led:
+        for sb, tenant in [("local/tiny", None), ("provider/acme", "acme"), ("provider/acme", "beta")]:
+            led.record(model="tiny", served_by=sb, route_reason="x", input_tokens=1, output_tokens=2, status="ok",
+                       cost_usd=0.001, tenant=tenant)
+    fleet = _fleet_file(tmp_path, f"  url: {url}\n")
+    res = CliRunner().invoke(app, ["usage", "-c", fleet, "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["ledger"] == url and out["total"]["requests"] == 3
+    assert {r["served_by"]: r["requests"] for r in out["rows"]} == {"provider/acme": 2, "local/tiny": 1}
+    res = CliRunner().invoke(app, ["usage", "-c", fleet, "--json", "--by", "tenant"])
+    assert {r["tenant"] for r in json.loads(res.output)["rows"]} == {"acme", "beta", "default"}
+
+
+@pytest.mark.parametrize(
+    "ledger, args, code, message",
+    [
+        # PostgreSQL down: one line, exit 1, in seconds
+        ("  url: postgresql://lmfleet@127.0.0.1:{port}/lmfleet\n  connect_timeout_s: 2\n", [], 1,
+         "ledger database postgresql://lmfleet@127.0.0.1:{port}/lmfleet"),
+        # a misconfigured ledger.url: exit 2, naming the key
+        ("  url: mysql://lmfleet@db/lmfleet\n", [], 2, "ledger.url"),
+        ("  url: postgresql://lmfleet@127.0.0.1:{port}/lmfleet\n  password_env: LMFLEET_TEST_NO_SUCH_VAR\n", [], 2,
+         "ledger.password_env names LMFLEET_TEST_NO_SUCH_VAR"),
+        ("  path: {tmp}/l.sqlite\n", ["--by", "model"], 2, "--by 'model': expected one of served_by, tenant"),
+    ],
+)
+def test_usage_ledger_errors(tmp_path, ledger, args, code, message):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fmt = {"port": port, "tmp": tmp_path}
+    fleet = _fleet_file(tmp_path, ledger.format(**fmt))
+    t = time.monotonic()
+    res = CliRunner().invoke(app, ["usage", "-c", fleet, *args])
+    assert time.monotonic() - t < 6
+    assert res.exit_code == code, res.output
+    assert message.format(**fmt) in res.output
+    assert "Traceback" not in res.output

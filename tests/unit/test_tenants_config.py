@@ -194,3 +194,16 @@ def test_the_example_in_docs_tenants_md_is_valid(tmp_path):
     research = d.tenants["research"]
     assert (research.priority.name, research.max_priority.name) == ("batch", "interactive")
     assert d.tenants["support-bot"].priority.name == "interactive"
+
+
+def test_the_real_fleet_config_reports_tenant_problems_through_the_loader():
+    """FleetConfig itself now carries the tenant keys (not only the test subclass): the loader names the key path."""
+    from lmfleet.config import parse_config
+    from lmfleet.config.loader import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        parse_config({"models": MODELS, "tenants": [{**KEY, "models": ["smollm3"]}]})
+    assert "tenants[0].models[0]" in str(info.value) and "did you mean 'smollm2'" in str(info.value)
+    fleet = parse_config({"models": MODELS, "tenants": [KEY]})
+    assert [t.name for t in fleet.tenants] == ["acme"]
+    assert [c.name for c in fleet.priority_classes] == ["interactive", "batch"]

@@ -1,20 +1,23 @@
-"""``lmfleet usage``: requests, tokens and cost per backend, read from the ledger."""
+"""``lmfleet usage``: requests, tokens and cost per backend or per tenant, from the ledger (SQLite or PostgreSQL)."""
 
 from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_args
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
-from lmfleet.overflow.ledger import Ledger, UsageRow
+from lmfleet.config.models import LedgerConfig
+from lmfleet.overflow.ledger import DEFAULT_TENANT, Grouping, UsageRow, describe, open_ledger
+from lmfleet.overflow.store.base import SpendStoreError, StoreUnavailable
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -38,42 +41,53 @@ def _money(x: float) -> str:
     return f"{x:.6f}" if x < 1 else f"{x:,.2f}"
 
 
-def _table(rows: list[UsageRow], total: UsageRow, title: str) -> Table:
+def _table(rows: list[UsageRow], total: UsageRow, title: str, by: Grouping) -> Table:
     t = Table(title=title)
-    t.add_column("served by")
+    t.add_column("served by" if by == "served_by" else "tenant")
     for col in ("requests", "input tokens", "output tokens", "cost $", "$/1M output"):
         t.add_column(col, justify="right")
     for r in [*rows, total]:
         per = "-" if r.usd_per_1m_output is None else _money(r.usd_per_1m_output)
-        cells = [r.served_by, f"{r.requests:,}", f"{r.input_tokens:,}", f"{r.output_tokens:,}", _money(r.cost_usd), per]
+        cells = [r.name, f"{r.requests:,}", f"{r.input_tokens:,}", f"{r.output_tokens:,}", _money(r.cost_usd), per]
         t.add_row(*cells, style="bold" if r is total else None, end_section=r is rows[-1] if rows else False)
     return t
 
 
 def usage(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Fleet file whose ledger.path to read (default: the embedded default fleet)."),
-    ledger: Optional[Path] = typer.Option(None, "--ledger", help="Ledger file to read (overrides the fleet file's)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Fleet file whose ledger (ledger.url, else ledger.path) to read (default: the embedded default fleet)."),
+    ledger: Optional[Path] = typer.Option(None, "--ledger", help="SQLite ledger file to read (overrides the fleet file's ledger)."),
     since: Optional[str] = typer.Option(None, "--since", help="Only requests since: 1h, 24h, 7d, or an ISO time. Default: all."),
+    by: str = typer.Option("served_by", "--by", help=f"Group by: served_by (local model or provider) or tenant (rows without one: {DEFAULT_TENANT})."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Show requests, tokens and cost per backend (local model or provider) from the ledger."""
-    if ledger is None:
-        path = Path(load_or_exit(config).ledger.path).expanduser()
-    else:
-        path = ledger.expanduser()
-    if not path.exists():
-        fail(f"no ledger at {path} (nothing served yet, or a different ledger.path)", 1)
+    """Show requests, tokens and cost per backend (local model or provider) or per tenant, from the ledger.
+
+    Exit 1 when the ledger cannot be read (no SQLite file yet, PostgreSQL unreachable); 2 on bad options."""
+    if by not in get_args(Grouping):
+        fail(f"--by {by!r}: expected one of {', '.join(get_args(Grouping))}", EXIT_USAGE)
+    cfg = load_or_exit(config).ledger if ledger is None else LedgerConfig(path=str(ledger))
+    where = describe(cfg)
+    if cfg.url is None and not Path(where).exists():
+        fail(f"no ledger at {where} (nothing served yet, or a different ledger.path)", 1)
     now = time.time()
     try:
         start = parse_since(since, now) if since else None
     except ValueError as e:
         fail(str(e), EXIT_USAGE)
-    with Ledger(path) as led:
-        rows = led.summary(since=start)
-        total = led.totals(since=start)
+    try:
+        with open_ledger(cfg) as led:
+            rows = led.summary(since=start, by=by)  # type: ignore[arg-type]  # checked above
+            total = led.totals(since=start, by=by)  # type: ignore[arg-type]
+    except StoreUnavailable as e:
+        fail(str(e), 1)
+    except (OSError, sqlite3.Error) as e:
+        fail(f"ledger {where}: {e}", 1)
+    except SpendStoreError as e:  # ledger.password_env unset, psycopg missing
+        fail(f"ledger: {e}", EXIT_USAGE)
     if as_json:
         out = {
-            "ledger": str(path),
+            "ledger": where,
+            "by": by,
             "since": start,
             "until": now,
             "rows": [r.as_dict() for r in rows],
@@ -82,4 +96,4 @@ def usage(
         typer.echo(json.dumps(out, indent=2))
         return
     span = "all time" if start is None else f"since {datetime.fromtimestamp(start, timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
-    Console().print(_table(rows, total, f"Usage ({span}) — {path}"))
+    Console().print(_table(rows, total, f"Usage ({span}) — {where}", by))

@@ -10,6 +10,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lmfleet.config.tenants import (
+    PriorityClassList,
+    TenantConfig,
+    check_tenants,
+    default_priority_classes,
+    tenant_validation_error,
+)
+
 _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 
 
@@ -474,6 +482,19 @@ class FleetConfig(_Strict):
     providers: list[ProviderConfig] = Field(default_factory=list, description="External providers, in priority order.")
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, description="Tenants: API keys, limits, allowed models, priority classes. Empty: "
+        "one tenant 'default' holding gateway.api_keys_env/api_keys_file (docs/tenants.md).")
+    priority_classes: PriorityClassList = Field(
+        default_factory=default_priority_classes, description="Priority classes, most urgent first by `order` "
+        "(default: interactive, then batch with a 600 s local wait).")
+
+    @model_validator(mode="after")
+    def _tenant_refs(self) -> "FleetConfig":
+        problems = check_tenants(self)
+        if problems:
+            raise tenant_validation_error(problems)
+        return self
 
     @model_validator(mode="after")
     def _cross_refs(self) -> "FleetConfig":

@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from lmfleet.gateway.errors import GatewayError
 from lmfleet.gateway.validation import parse_json
+from lmfleet.tenants import TenantDirectory
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -40,13 +41,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, keys: frozenset[str], allow_unauthenticated: bool) -> None:
-    """Refuse to listen on a non-loopback address with no client key, unless the operator said so."""
+def check_exposure(host: str, keys: frozenset[str] | bool, allow_unauthenticated: bool) -> None:
+    """Refuse to listen on a non-loopback address with no client key, unless the operator said so. ``keys``: the
+    client keys, or whether any is configured (flat gateway keys or any tenant's: ``not directory.is_open``)."""
     if not keys and not allow_unauthenticated and not is_loopback(host):
         raise GatewayConfigError(
             f"refusing to listen on {host} without client API keys: anyone who reaches it could use your engines "
-            "and providers. Set gateway.api_keys_env or gateway.api_keys_file, listen on 127.0.0.1, or set "
-            "gateway.allow_unauthenticated: true.")
+            "and providers. Set gateway.api_keys_env or gateway.api_keys_file (or give tenants keys), listen on "
+            "127.0.0.1, or set gateway.allow_unauthenticated: true.")
 
 
 def allowed_hosts(host: str, extra: Iterable[str] | None) -> frozenset[str] | None:
@@ -90,11 +92,17 @@ def key_ok(given: str | None, keys: Iterable[str]) -> bool:
     return any(hmac.compare_digest(g, k.encode("utf-8", "surrogateescape")) for k in keys)
 
 
-def operator_may_see(headers: Headers, api_keys: Iterable[str], admin_key: str | None) -> bool:
+def operator_may_see(headers: Headers, api_keys: Iterable[str] | TenantDirectory, admin_key: str | None) -> bool:
     """May this caller see operational detail (/ready's per-model texts, /metrics)? The admin key or a client
-    key, whenever any key is configured; anyone when none is (a loopback-only or explicitly open gateway)."""
+    key (any tenant's, when ``api_keys`` is the gateway's :class:`TenantDirectory`), whenever any key is
+    configured; anyone when none is (a loopback-only or explicitly open gateway)."""
+    given = bearer(headers)
+    if isinstance(api_keys, TenantDirectory):
+        if api_keys.is_open:
+            return not admin_key or key_ok(given, (admin_key,))
+        return api_keys.resolve(given) is not None or (admin_key is not None and key_ok(given, (admin_key,)))
     keys = {*api_keys, *([admin_key] if admin_key else [])}
-    return not keys or key_ok(bearer(headers), keys)
+    return not keys or key_ok(given, keys)
 
 
 def load_keys_from(env_name: str | None, file: str | None, environ: Mapping[str, str]) -> frozenset[str]:

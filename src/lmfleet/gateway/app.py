@@ -27,12 +27,22 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmfleet.config.models import GatewayConfig
+from lmfleet.config.tenants import PriorityClass, default_priority_classes
 from lmfleet.gateway.access import bearer, host_allowed, key_ok, operator_may_see, read_json
 from lmfleet.gateway.errors import GatewayError, error_body
 from lmfleet.gateway.ops import ops_routes
 from lmfleet.gateway.run import DisconnectWatch, RelayResponse, RequestRun
 from lmfleet.gateway.service import Gateway
 from lmfleet.gateway.validation import Kind, check_content_parts, check_prompt_count, check_size, validate_request
+from lmfleet.tenants import (
+    PRIORITY_HEADER,
+    PriorityHeaderError,
+    Tenant,
+    TenantBook,
+    TenantDirectory,
+    model_refusal,
+    requested_class,
+)
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -41,10 +51,15 @@ def _auth_error(message: str, status: int, type: str, code: str | None = None, *
     return JSONResponse(error_body(message, type, code=code), status_code=status, headers=headers or None)
 
 
+TENANT_SCOPE_KEY = "lmfleet.tenant"
+"""Where the auth layer leaves the caller's :class:`~lmfleet.tenants.Tenant` in the ASGI scope of a /v1 request."""
+
+
 class AuthMiddleware:
-    """The trusted Host names on every route but /health; client keys on /v1/*, the admin key on /admin/*, a
-    key on /metrics (unless ``gateway.metrics_public``). Plain ASGI: Starlette's ``BaseHTTPMiddleware`` would
-    re-wrap every streamed chunk of every answer."""
+    """The trusted Host names on every route but /health; client keys on /v1/* (each key resolves to its tenant,
+    left in ``scope[TENANT_SCOPE_KEY]``), the admin key on /admin/*, a key on /metrics (unless
+    ``gateway.metrics_public``). Plain ASGI: Starlette's ``BaseHTTPMiddleware`` would re-wrap every streamed
+    chunk of every answer."""
 
     def __init__(self, app: ASGIApp, gw: Gateway, trusted_hosts: frozenset[str] | None = None,
                  metrics_public: bool = False):
@@ -60,16 +75,19 @@ class AuthMiddleware:
         if path != "/health" and not host_allowed(headers.get("host"), self.trusted_hosts):
             return _auth_error("Invalid Host header: this gateway does not answer to that name (see "
                                "gateway.allowed_hosts).", 400, "invalid_request_error", "invalid_host")
-        if path.startswith("/v1/") and gw.api_keys and not key_ok(bearer(headers), gw.api_keys):
-            return _auth_error("Invalid or missing API key. Send `Authorization: Bearer <key>`.", 401,
-                               "authentication_error", "invalid_api_key", **{"www-authenticate": "Bearer"})
+        if path.startswith("/v1/"):
+            tenant = gw.tenants.resolve(bearer(headers))
+            if tenant is None:
+                return _auth_error("Invalid or missing API key. Send `Authorization: Bearer <key>`.", 401,
+                                   "authentication_error", "invalid_api_key", **{"www-authenticate": "Bearer"})
+            scope[TENANT_SCOPE_KEY] = tenant
         if path.startswith("/admin/"):
             if not gw.admin_key:
                 return _auth_error("The admin API is disabled: set the admin key environment variable "
                                    "(gateway.admin_key_env) and restart.", 403, "permission_error")
             if not key_ok(bearer(headers), {gw.admin_key}):
                 return _auth_error("Invalid or missing admin key.", 401, "authentication_error", "invalid_api_key")
-        if path == "/metrics" and not self.metrics_public and not operator_may_see(headers, gw.api_keys, gw.admin_key):
+        if path == "/metrics" and not self.metrics_public and not operator_may_see(headers, gw.tenants, gw.admin_key):
             return _auth_error("/metrics needs the admin key or a client key (or gateway.metrics_public: true).",
                                401, "authentication_error", "invalid_api_key", **{"www-authenticate": "Bearer"})
         return None
@@ -126,8 +144,9 @@ class OpenAIRoutes:
             try:
                 answer = await (run.stream() if stream else run.unary())
             except GatewayError as e:
-                run.recorder.count_error(run.req.model, e.status)
-                await _send_whole(send, JSONResponse(e.body(), status_code=e.status, headers=e.headers))
+                run.recorder.count_error(run.req.model, e.status, run.ticket.tenant if run.ticket else None)
+                headers = {**run.plan.headers, **e.headers} if run.plan.headers else e.headers
+                await _send_whole(send, JSONResponse(e.body(), status_code=e.status, headers=headers))
                 return
             if isinstance(answer, RelayResponse):
                 await answer.send_to(send, watch.answered)
@@ -144,6 +163,7 @@ class OpenAIRoutes:
                 await _send_whole(send, JSONResponse(error_body("Internal gateway error.", "server_error"), 500))
         finally:
             watch.stop()
+            run.release()  # the tenant's slot in flight, however the request ended
 
 
 async def _send_whole(send: Send, r: Response) -> None:
@@ -228,6 +248,7 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
         """Everything before the first upstream call: body, validation, model, size, route."""
         t0 = time.monotonic()
         model_name = None
+        tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
         try:
             body = await read_json(request, cfg.max_body_bytes, cfg.body_timeout_s)
             model_name = body.get("model") if isinstance(body.get("model"), str) else None
@@ -235,15 +256,28 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
             if kind == "completion":
                 check_prompt_count(body, cfg.max_prompts)
             model = gw.router.model_or_404(req.model)
+            cls = None
+            if tenant is not None:
+                if (refusal := model_refusal(tenant, model.name)) is not None:
+                    raise GatewayError(403, refusal["error"]["message"], param="model", code="model_not_allowed")
+                cls = _priority(request, tenant)
             if kind == "chat":
                 check_content_parts(body["messages"], model.app.cfg.content_parts)
             check_size(req, model.app.max_model_len)
             size = await model.prompt_size(req)
-            plan = await gw.router.route(model)
+            plan = await gw.router.route(model, tenant, cls, size.tokens)
             return RequestRun(model, req, path, plan, size, t0, gw.recorder), req.stream
         except GatewayError as e:
-            gw.recorder.count_error(model_name, e.status)
+            gw.recorder.count_error(model_name, e.status, tenant.name if tenant is not None else None)
             raise
+
+    def _priority(request: Request, tenant: Tenant) -> PriorityClass:
+        try:
+            return requested_class(request.headers.get(PRIORITY_HEADER), tenant, classes)
+        except PriorityHeaderError as e:
+            raise GatewayError(400, e.message, param=PRIORITY_HEADER, code="invalid_priority") from None
+
+    classes = gw.router.tenants.classes if gw.router.tenants is not None else default_priority_classes()
 
     app.add_middleware(AuthMiddleware, gw=gw, trusted_hosts=trusted_hosts, metrics_public=cfg.metrics_public)
     # the two OpenAI routes are answered in front of FastAPI's stack (see OpenAIRoutes); FastAPI answers the rest
@@ -252,12 +286,40 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
         app.add_route(path, app.openai_routes, methods=["POST"])
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
         now = int(time.time())
+        tenant: Tenant | None = request.scope.get(TENANT_SCOPE_KEY)
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now, "owned_by": "lmfleet",
              "max_model_len": m.app.max_model_len, "ready": gw.health.is_ready(name)}
-            for name, m in gw.models.items()]}
+            for name, m in gw.models.items() if tenant is None or tenant.may_use(name)]}
+
+    @app.get("/admin/tenants")
+    async def admin_tenants() -> dict[str, Any]:
+        """Every tenant's settings and this process's live usage (admin key; no key or digest is shown)."""
+        book = gw.router.tenants
+        queues = {n: {"capacity": m.queue.capacity, "running": m.queue.running, "waiting": len(m.queue.waiting)}
+                  for n, m in gw.models.items() if m.queue is not None}
+        return {"classes": [c.model_dump() for c in book.classes] if book is not None else [],
+                "tenants": tenant_report(gw.tenants, book), "local_queues": queues}
 
     app.include_router(ops_routes(gw, cfg))
     return app
+
+
+def tenant_report(directory: TenantDirectory, book: TenantBook | None) -> dict[str, Any]:
+    """``GET /admin/tenants``: per tenant its limits, models, classes and, per gateway process, what it uses."""
+    out: dict[str, Any] = {}
+    now = book.clock() if book is not None else time.time()
+    for name, t in directory.tenants.items():
+        usage = book.usage.get(name) if book is not None else None
+        windows = {}
+        for kind, w in (("requests_per_minute", usage.requests if usage else None),
+                        ("tokens_per_minute", usage.tokens if usage else None)):
+            if w is not None:
+                windows[kind] = {"limit": w.limit, "used": round(w.used(now), 1), "remaining": w.remaining(now)}
+        out[name] = {"limits": t.limits.model_dump(), "models": sorted(t.models) or None,
+                     "priority": t.priority.name, "max_priority": t.max_priority.name,
+                     "batch_may_use_providers": t.batch_may_use_providers,
+                     "in_flight": book.in_flight.get(name, 0) if book is not None else None, "windows": windows}
+    return out

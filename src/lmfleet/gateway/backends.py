@@ -31,7 +31,7 @@ from lmfleet.gateway.budget import BudgetGuard
 from lmfleet.gateway.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
 from lmfleet.gateway.health import HealthBoard
 from lmfleet.gateway.upstream import Endpoint, HttpPool
-from lmfleet.overflow.store import Reservation
+from lmfleet.overflow.store import Cap, Reservation
 from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, Reason, backoff_s, external_cost_usd
 from lmfleet.overflow.breaker import Admission
 from lmfleet.provenance import local_label, provider_label
@@ -50,6 +50,8 @@ class Ask:
     """Never below the real count (None: unknown): what a budget reservation holds for."""
     max_tokens: int | None
     max_model_len: int | None
+    spend_caps: tuple[Cap, ...] = ()
+    """The tenant's own spend caps (hourly/daily USD on paid providers), reserved beside the fleet's."""
 
 
 @dataclass
@@ -188,7 +190,7 @@ class ProviderBackend:
         reservation = None
         if self.budget is not None:  # hold the worst case before sending anything
             reservation = await self.budget.reserve(ask.request_id, ask.prompt_upper, ask.max_tokens,
-                                                    self.cfg.price, ask.max_model_len)
+                                                    self.cfg.price, ask.max_model_len, ask.spend_caps)
             if reservation is None:
                 return None
         admission = self.breaker.acquire()  # after the await: the breaker may have changed meanwhile

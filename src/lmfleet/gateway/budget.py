@@ -5,9 +5,9 @@
     recorder settles it to the real cost together with its ledger row (``Recorder.record``), or
     guard.release(reservation) when the attempt failed before anything was served.
 
-Reservations are atomic across the gateway's processes (the ledger's SQLite file, see
-``lmfleet.overflow.store``), so no cap is ever exceeded, whatever the concurrency: the budget check in
-``router.py`` is a cheap early look; this is the guarantee.
+Reservations are atomic across the gateway's processes (the ledger's SQLite file) or nodes (its PostgreSQL
+database, ``ledger.url``; see ``lmfleet.overflow.store``), so no cap is ever exceeded, whatever the
+concurrency: the budget check in ``router.py`` is a cheap early look; this is the guarantee.
 
 A store that cannot be used (database down, disk full, lock held too long) fails closed and closes the
 provider route until it answers again::
@@ -15,7 +15,10 @@ provider route until it answers again::
     up --(reserve or probe raises StoreUnavailable: logged once, counted)--> down
     down: the router keeps paid requests off providers (local, or 429 with on_exhausted: reject)
           and starts a probe (an empty reservation, released at once) at most every probe_every_s
-    down --(a reservation or a probe goes through)--> up   (logged)
+    down --(a reservation or a probe goes through, or a settle/release lands)--> up   (logged)
+
+A settle or release lands when the store's ``writes_landed`` grows past its value at the last failure with
+no write left deferred: requests that were in flight during the outage reopen the route when they finish.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmfleet.config.models import ProviderPrice
@@ -60,15 +63,27 @@ class BudgetGuard:
         """Failed store calls (reservations and probes) since start."""
         self._last_try = float("-inf")
         self._probe: asyncio.Task | None = None
+        self._landed_at_failure = 0
 
     @property
     def is_down(self) -> bool:
+        """True while the store fails; a settle or release that landed since the last failure ends that."""
+        if self.down_since is not None and self._write_landed_since_failure():
+            self._answered()
         return self.down_since is not None
 
+    def _landed(self) -> int:
+        return getattr(self.store, "writes_landed", 0)
+
+    def _write_landed_since_failure(self) -> bool:
+        return self._landed() > self._landed_at_failure and not getattr(self.store, "pending_writes", 0)
+
     async def reserve(self, request_id: str, prompt_tokens: int | None, max_tokens: int | None,
-                      price: ProviderPrice, max_model_len: int | None) -> Reservation | None:
+                      price: ProviderPrice, max_model_len: int | None,
+                      extra_caps: Sequence[Cap] = ()) -> Reservation | None:
         """Hold the request's worst-case cost, or None when a cap (or a store that is down) does not allow it.
-        ``prompt_tokens``: an upper bound of the prompt's tokens (None: unknown, not admitted)."""
+        ``prompt_tokens``: an upper bound of the prompt's tokens (None: unknown, not admitted). ``extra_caps``:
+        the caps of the request's tenant, held in the same transaction as the fleet's."""
         if prompt_tokens is None:
             return None
         try:
@@ -76,7 +91,8 @@ class BudgetGuard:
         except ValueError:  # no bound on the output: cannot be admitted against a cap
             return None
         try:
-            got = await asyncio.to_thread(self.store.reserve, request_id, amount, self.caps)
+            caps = [*self.caps, *extra_caps] if extra_caps else self.caps
+            got = await asyncio.to_thread(self.store.reserve, request_id, amount, caps)
         except StoreUnavailable as e:  # fail closed: no spend while the ledger cannot record it
             self._failed(e)
             return None
@@ -128,6 +144,7 @@ class BudgetGuard:
     def _failed(self, e: StoreUnavailable) -> None:
         self.failures += 1
         self.last_error = str(e)
+        self._landed_at_failure = self._landed()
         self._last_try = self._clock()
         if self.metrics is not None:
             self.metrics.budget_store_failures.inc()

@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI
 
 from lmfleet.config.models import FleetConfig, GatewayConfig
+from lmfleet.config.tenants import PriorityClass, TenantConfig, default_priority_classes
 from lmfleet.engine.app import ModelApp
 from lmfleet.gateway.access import GatewayConfigError, allowed_hosts, check_exposure, load_keys_from
 from lmfleet.gateway.app import create_app
@@ -41,12 +41,17 @@ from lmfleet.overflow.store import (
     caps_for_budget,
     open_spend_store,
 )
-from lmfleet.overflow import CircuitBreaker, Ledger, LoadTracker, LocalCostMeter, providers_for
+from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, providers_for
+from lmfleet.overflow.ledger import SqlLedger, open_ledger
+from lmfleet.overflow.ledger import describe as describe_ledger
+from lmfleet.overflow.estimator import local_capacity
+from lmfleet.tenants import TenantBook, TenantDirectory, TenantKeyError
+from lmfleet.tenants.queue import DispatchQueue
 
 log = logging.getLogger("lmfleet.gateway")
 
 __all__ = ["GatewayConfigError", "build_gateway", "check_gateway_access", "check_ledger", "load_api_keys",
-           "preflight"]
+           "load_tenants", "preflight"]
 
 
 def load_api_keys(cfg: GatewayConfig, environ: Mapping[str, str]) -> frozenset[str]:
@@ -56,35 +61,55 @@ def load_api_keys(cfg: GatewayConfig, environ: Mapping[str, str]) -> frozenset[s
 
 
 def check_gateway_access(cfg: GatewayConfig, host: str | None = None,
-                         environ: Mapping[str, str] | None = None) -> frozenset[str]:
-    """The client keys, after refusing settings that would leave the gateway open by accident (raises
+                         environ: Mapping[str, str] | None = None, *, tenants: Sequence[TenantConfig] = (),
+                         classes: Sequence[PriorityClass] | None = None) -> frozenset[str]:
+    """The flat client keys, after refusing settings that would leave the gateway open by accident (raises
     :class:`GatewayConfigError`, one line). ``host``: the effective listen address (``--host``), default
-    ``cfg.host``. Cheap: ``lmfleet serve`` can call it before deploying anything."""
-    keys = load_api_keys(cfg, os.environ if environ is None else environ)
-    check_exposure(host or cfg.host, keys, cfg.allow_unauthenticated)
+    ``cfg.host``. ``tenants``: their keys are loaded too (a source that yields none is refused) and count as
+    client keys. Cheap: ``lmfleet serve`` can call it before deploying anything."""
+    environ = os.environ if environ is None else environ
+    keys = load_api_keys(cfg, environ)
+    has_keys = bool(keys)
+    if tenants:
+        has_keys = not load_tenants(cfg, tenants, classes, environ).is_open
+    check_exposure(host or cfg.host, has_keys, cfg.allow_unauthenticated)
     return keys
+
+
+def load_tenants(cfg: GatewayConfig, tenants: Sequence[TenantConfig], classes: Sequence[PriorityClass] | None,
+                 environ: Mapping[str, str]) -> TenantDirectory:
+    """Every tenant with its keys (held as digests), the flat ``cfg.api_keys_*`` keys as tenant ``default``.
+    Raises :class:`GatewayConfigError` (one line, naming the config key and variable or file, never a key)."""
+    try:
+        return TenantDirectory.build(tenants, classes or default_priority_classes(), gateway=cfg, environ=environ)
+    except (TenantKeyError, ValueError) as e:
+        raise GatewayConfigError(str(e)) from None
 
 
 def preflight(fleet: FleetConfig, host: str | None = None, environ: Mapping[str, str] | None = None) -> frozenset[str]:
     """Everything that would stop :func:`build_gateway`, checked in a moment (``lmfleet serve`` runs it before
-    deploying anything): auth and exposure (:func:`check_gateway_access`), the ledger. Returns the client keys."""
-    if fleet.ledger.url is not None:
-        raise GatewayConfigError("ledger.url: the gateway keeps its ledger in the SQLite file at ledger.path for now "
-                                 "(usage reports read it); remove ledger.url")
-    return check_gateway_access(fleet.gateway, host, environ)
+    deploying anything): auth and exposure (:func:`check_gateway_access`). Returns the client keys. The ledger's
+    database is :func:`check_ledger`'s (it connects)."""
+    return check_gateway_access(fleet.gateway, host, environ, tenants=fleet.tenants, classes=fleet.priority_classes)
 
 
-def _open_ledger(fleet: FleetConfig, environ: Mapping[str, str]) -> tuple[Ledger, SpendStore | None, list[Cap]]:
-    """The ledger and, when caps are configured, the spend store. Raises :class:`StoreUnavailable` (one line)
-    when a database cannot be reached or opened, :class:`GatewayConfigError` on settings it cannot use."""
-    path = Path(fleet.ledger.path).expanduser()
+def _open_ledger(fleet: FleetConfig, environ: Mapping[str, str]) -> tuple[SqlLedger, SpendStore | None, list[Cap]]:
+    """The ledger (PostgreSQL at ``ledger.url``, else the SQLite file at ``ledger.path``) and, when caps are
+    configured (the fleet's ``budget:`` or a tenant's ``hourly_usd``/``daily_usd``), the spend store in the same
+    database. Raises :class:`StoreUnavailable` (one line) when a database
+    cannot be reached or opened, :class:`GatewayConfigError` on settings it cannot use."""
     try:
-        ledger = Ledger(path)
+        ledger = open_ledger(fleet.ledger, environ)
     except (OSError, sqlite3.Error) as e:
-        raise StoreUnavailable(f"ledger database {path}: {e}") from None
+        raise StoreUnavailable(f"ledger database {describe_ledger(fleet.ledger)}: {e}") from None
+    except StoreUnavailable:
+        raise
+    except SpendStoreError as e:
+        raise GatewayConfigError(f"ledger: {e}") from None
     caps = caps_for_budget(fleet.budget)
+    tenant_caps = any(t.limits.hourly_usd is not None or t.limits.daily_usd is not None for t in fleet.tenants)
     try:
-        store = open_spend_store(fleet.ledger, environ=environ) if caps else None
+        store = open_spend_store(fleet.ledger, environ=environ) if caps or tenant_caps else None
     except StoreUnavailable:
         ledger.close()
         raise
@@ -107,6 +132,14 @@ def _tokenizer(app: ModelApp) -> Any | None:
     return load_tokenizer_or_none(app.tokenizer_path, trust_remote_code=app.cfg.engine.trust_remote_code)
 
 
+def _queue_slots(app: ModelApp) -> int:
+    """Local slots the priority queue hands out: what the deployment may run at once at its largest (with
+    autoscaling, its max_replicas), so the queue never holds back demand Serve's autoscaler must see; beyond
+    that, Serve's own FIFO queue waits."""
+    auto = app.cfg.deployment.autoscaling
+    return max(app.capacity, local_capacity(app.cfg, auto.max_replicas)) if auto is not None else app.capacity
+
+
 def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, host: str | None = None,
                   environ: Mapping[str, str] | None = None,
                   fetch_status: Callable[[], dict[str, Any]] | None = None,
@@ -120,7 +153,8 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
     """
     environ = os.environ if environ is None else environ
     host = host or fleet.gateway.host
-    api_keys = preflight(fleet, host, environ)
+    preflight(fleet, host, environ)
+    tenants = load_tenants(fleet.gateway, fleet.tenants, fleet.priority_classes, environ)
     metrics = GatewayMetrics()
     health = HealthBoard({a.name: a.app_name for a in apps}, fetch_status, fleet.gateway.health_poll_s)
     ledger, store, caps = _open_ledger(fleet, environ)
@@ -147,17 +181,18 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
             app=a, tokenizer=load_tokenizer(a),
             local=LocalBackend(c, a.base_url(serve_url), local_client, tracker, health, meter),
             providers=[providers[p.name] for p in providers_for(c, fleet.providers)],
-            threshold_ms=a.threshold_ms)
+            threshold_ms=a.threshold_ms, queue=DispatchQueue(_queue_slots(a)) if fleet.tenants else None)
 
     engine_stats = None
     if fetch_engine_metrics is not None and fleet.gateway.engine_metrics_poll_s > 0:
         engine_stats = EngineStatsPoller({n: m.local.tracker for n, m in models.items()}, fetch_engine_metrics,
                                          fleet.gateway.engine_metrics_poll_s)
     admin_key = environ.get(fleet.gateway.admin_key_env) if fleet.gateway.admin_key_env else None
-    gw = Gateway(router=Router(models, fleet.budget, ledger, metrics, guard=budget), recorder=recorder,
-                 health=health, metrics=metrics, providers=providers,
+    book = TenantBook(tenants, fleet.priority_classes)
+    gw = Gateway(router=Router(models, fleet.budget, ledger, metrics, guard=budget, tenants=book),
+                 recorder=recorder, health=health, metrics=metrics, providers=providers,
                  clients=[local_client, *(p.client for p in providers.values())],
-                 api_keys=api_keys, admin_key=admin_key or None,
+                 tenants=tenants, admin_key=admin_key or None,
                  engine_stats=engine_stats)
     trusted = allowed_hosts(host, fleet.gateway.allowed_hosts)
     if trusted is None and fleet.gateway.allowed_hosts is None:

@@ -41,3 +41,11 @@ class GatewayMetrics:
         self.budget_store_up = Gauge("lmfleet_budget_store_up", "0 while the budget store (ledger database) cannot "
                                      "be used and paid providers are closed, else 1.", registry=r)
         self.budget_store_up.set(1)
+        # per tenant: the label takes configured tenant names (and "default") only, so the set stays bounded
+        self.tenant_requests = Counter("lmfleet_tenant_requests", "Requests answered, by tenant and HTTP status "
+                                       "(429s from tenant limits included).", ["tenant", "status"], registry=r)
+        self.tenant_rejected = Counter("lmfleet_tenant_rejected", "Requests refused by tenant admission, by tenant "
+                                       "and reason (concurrency_limit, requests_per_minute, tokens_per_minute, "
+                                       "deadline).", ["tenant", "reason"], registry=r)
+        self.tenant_tokens = Counter("lmfleet_tenant_tokens", "Tokens of served requests, by tenant and kind.",
+                                     ["tenant", "kind"], registry=r)

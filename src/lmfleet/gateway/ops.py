@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, get_args
 
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -16,8 +16,13 @@ from lmfleet.gateway.dashboard import dashboard_routes
 from lmfleet.gateway.errors import GatewayError
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import OverflowMode
+from lmfleet.overflow.ledger import Grouping
+from lmfleet.overflow.store import StoreUnavailable
 
 log = logging.getLogger("lmfleet.gateway")
+
+USAGE_FLUSH_WAIT_S = 5.0
+"""/admin/usage waits at most this long for finished requests' rows to reach the ledger before it reads."""
 
 
 def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
@@ -105,14 +110,27 @@ def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
         return {"models": {m.name: {"mode": m.mode.value, "threshold_ms": m.threshold_ms} for m in targets}}
 
     @r.get("/admin/usage")
-    async def admin_usage(since: float | None = None, until: float | None = None) -> dict[str, Any]:
+    async def admin_usage(since: float | None = None, until: float | None = None,
+                          by: str = "served_by") -> dict[str, Any]:
+        """Requests, tokens and cost per ``served_by`` or per ``tenant`` (rows without one: ``default``), read from
+        the ledger (the fleet's shared PostgreSQL when ``ledger.url`` is set); 503 while that cannot be reached."""
         ledger = gw.recorder.ledger
         if ledger is None:
             raise GatewayError(404, "No ledger is configured.")
-        await gw.recorder.flush()  # rows of finished requests are in before we read
-        rows = await asyncio.to_thread(ledger.summary, since, until)
-        total = await asyncio.to_thread(ledger.totals, since, until)
-        return {"since": since, "until": until, "rows": [row.as_dict() for row in rows], "total": total.as_dict()}
+        if by not in get_args(Grouping):
+            raise GatewayError(400, f"by must be one of {list(get_args(Grouping))}, got {by!r}", param="by")
+        try:  # rows of finished requests are in before we read (bounded: the database may be down)
+            await asyncio.wait_for(gw.recorder.flush(), USAGE_FLUSH_WAIT_S)
+        except TimeoutError:
+            log.warning("admin/usage: %d ledger rows still waiting to be written; reading without them",
+                        gw.recorder.pending)
+        try:
+            rows = await asyncio.to_thread(ledger.summary, since, until, by)
+            total = await asyncio.to_thread(ledger.totals, since, until, by)
+        except StoreUnavailable as e:
+            raise GatewayError(503, f"The ledger cannot be read now: {e}") from None
+        return {"since": since, "until": until, "by": by, "rows": [row.as_dict() for row in rows],
+                "total": total.as_dict()}
 
     r.include_router(dashboard_routes(gw))  # /dashboard (the page) and /admin/dashboard.json (its data)
     return r

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lmfleet.overflow.cost import LocalCostMeter
 from lmfleet.overflow.signals import LoadTracker
 
 log = logging.getLogger("lmfleet.gateway")
@@ -44,20 +45,23 @@ FORGET_S = 300.0
 class PeerLoad:
     in_flight: int
     drain_rps: float
+    window_tokens: int = 0
+    """Output tokens the others served locally in their cost meters' windows (their share of the local cost)."""
 
 
 def peer_loads(entries: list[dict[str, Any]], self_id: str, now: float, fresh_s: float = FRESH_S
                ) -> dict[str, PeerLoad]:
-    """Model name -> the other fresh gateways' in-flight requests and drain rates, summed."""
+    """Model name -> the other fresh gateways' in-flight requests, drain rates and window tokens, summed."""
     out: dict[str, list[float]] = {}
     for e in entries:
         if e.get("id") == self_id or now - float(e.get("last_seen", 0.0)) > fresh_s:
             continue
         for model, load in (e.get("models") or {}).items():
-            acc = out.setdefault(model, [0, 0.0])
+            acc = out.setdefault(model, [0, 0.0, 0])
             acc[0] += int(load.get("in_flight", 0))
             acc[1] += float(load.get("drain_rps") or 0.0)
-    return {m: PeerLoad(int(n), d) for m, (n, d) in out.items()}
+            acc[2] += int(load.get("window_tokens") or 0)
+    return {m: PeerLoad(int(n), d, int(k)) for m, (n, d, k) in out.items()}
 
 
 class GatewayRegistry:
@@ -155,9 +159,12 @@ class PeerBoard:
 
     def __init__(self, trackers: Mapping[str, LoadTracker], *, host: str, port: int, role: str = "gateway",
                  period_s: float = 1.0, call: Callable[[str, Any], Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 meters: Mapping[str, LocalCostMeter] | None = None) -> None:
         self.id = f"{node_address()}:{port}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.trackers = trackers
+        self.meters = meters or {}
+        """Each model's local cost meter: its window tokens are reported, the others' counted with its own."""
         self.host, self.port, self.role = host, port, role
         self.period_s = period_s
         self.started_at = time.time()
@@ -170,6 +177,9 @@ class PeerBoard:
         for name, tr in self.trackers.items():
             s = tr.snapshot(with_peers=False)
             models[name] = {"in_flight": s.in_flight, "drain_rps": s.drain_rps or 0.0}
+            meter = self.meters.get(name)
+            if meter is not None:
+                models[name]["window_tokens"] = meter.window_tokens()
         return {"id": self.id, "role": self.role, "node": node_address(), "host": self.host, "port": self.port,
                 "pid": os.getpid(), "started_at": self.started_at, "models": models}
 
@@ -178,6 +188,9 @@ class PeerBoard:
         for name, tr in self.trackers.items():  # stamped with each tracker's own clock
             load = loads.get(name, PeerLoad(0, 0.0))
             tr.set_peer_load(load.in_flight, load.drain_rps)
+            meter = self.meters.get(name)
+            if meter is not None:
+                meter.set_peer_tokens(load.window_tokens)
 
     async def run(self) -> None:
         failures = 0

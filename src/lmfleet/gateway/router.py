@@ -12,11 +12,16 @@ is :mod:`lmfleet.gateway.run`'s job.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from lmfleet.config.models import BudgetConfig
+from lmfleet.config.tenants import PriorityClass
 from lmfleet.engine.app import ModelApp
 from lmfleet.gateway.backends import Backend, LocalBackend, ProviderBackend
 from lmfleet.gateway.budget import BudgetGuard
@@ -32,11 +37,18 @@ from lmfleet.overflow import (
     ProviderCandidate,
     QueueSignals,
     Reason,
+    RouteDecision,
     check_budget,
     decide,
     estimate_wait_ms,
 )
 from lmfleet.overflow.budget import DAY_S
+from lmfleet.overflow.store import Cap, StoreUnavailable, caps_for_budget, tenant_key
+from lmfleet.tenants import PRIORITY_HEADER, Outcome, Tenant, TenantBook, Ticket
+from lmfleet.tenants.queue import DispatchQueue
+from lmfleet.tenants import Reason as AdmissionReason
+
+log = logging.getLogger("lmfleet.gateway")
 
 BUDGET_CACHE_S = 1.0
 
@@ -54,6 +66,8 @@ class ServedModel:
     mode: OverflowMode = OverflowMode.AUTO
     hysteresis: HysteresisState = field(default_factory=HysteresisState)
     last_estimate_ms: float = 0.0
+    queue: DispatchQueue | None = None
+    """The priority queue in front of its local slots (None: no tenants configured; Serve's FIFO queue only)."""
     _template_overhead: int | None = field(default=None, repr=False)
 
     @property
@@ -93,28 +107,50 @@ class PromptSize:
 
 UNKNOWN_TEMPLATE_TOKENS = 512
 
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
 
 @dataclass(frozen=True)
 class Plan:
     """The routing decision for one request."""
 
     backends: list[Backend]
-    reason: Reason
+    reason: Reason | AdmissionReason
     estimate_ms: float
+    ticket: Ticket | None = None
+    """The tenant's admission (None: no tenant): its slot in flight is freed when the request ends."""
+    headers: Mapping[str, str] = field(default_factory=lambda: _NO_HEADERS)
+    """Tenant headers for every answer: ``x-lmfleet-priority`` and OpenAI's ``x-ratelimit-*``."""
+    priority: PriorityClass | None = None
+    """The request's class: its place in the model's local queue and, with ``max_wait_s``, its deadline there."""
+    spend_caps: tuple[Cap, ...] = ()
+    """The tenant's own spend caps: a paid attempt reserves against them beside the fleet's (none: no tenant caps)."""
 
 
 class Router:
     """Routing decisions for every model of a fleet. Reads load, breakers and budget; never does HTTP."""
 
     def __init__(self, models: dict[str, ServedModel], budget: BudgetConfig, ledger: Ledger | None,
-                 metrics: GatewayMetrics, guard: BudgetGuard | None = None):
+                 metrics: GatewayMetrics, guard: BudgetGuard | None = None, tenants: TenantBook | None = None):
         self.models = models
+        self.tenants = tenants
+        """Live usage per tenant (None: no tenant admission, e.g. a router built by hand)."""
+        self._class_headers = {c.name: MappingProxyType({PRIORITY_HEADER: c.name})
+                               for c in (tenants.classes if tenants is not None else ())}
+        self.tenant_caps: dict[str, tuple[Cap, ...]] = {}
+        """Each tenant's own external-spend caps (``limits.hourly_usd`` / ``daily_usd``, key ``tenant:NAME``)."""
+        for name, t in (tenants.directory.tenants.items() if tenants is not None else ()):
+            caps = tuple(caps_for_budget(t.limits, tenant_key(name)))
+            if caps:
+                self.tenant_caps[name] = caps
         self.guard = guard
         """The budget store's guard (None: no caps): while its store is down, the provider route is closed."""
         self.budget = budget
         self.ledger = ledger
         self.metrics = metrics
         self._budget_cache: tuple[float, BudgetStatus | None] = (float("-inf"), None)
+        self.ledger_down = False
+        """The ledger's spend could not be read at the last look: paid providers are closed (fail closed)."""
         self._metric_children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def model_or_404(self, name: str) -> ServedModel:
@@ -140,7 +176,17 @@ class Router:
         if time.monotonic() - at < BUDGET_CACHE_S:
             return cached
         now = time.time()
-        events = await asyncio.to_thread(self.ledger.spend_events, now - DAY_S)
+        try:
+            events = await asyncio.to_thread(self.ledger.spend_events, now - DAY_S)
+        except StoreUnavailable as e:  # spend cannot be checked, so none is admitted: the provider route closes
+            if not self.ledger_down:
+                log.error("ledger unreadable, paid providers closed until it is back: %s", e)
+            self.ledger_down = True
+            self._budget_cache = (time.monotonic(), None)
+            return None
+        if self.ledger_down:
+            log.warning("ledger readable again: paid providers reopen")
+        self.ledger_down = False
         status = check_budget(events, hourly_usd=b.hourly_usd, daily_usd=b.daily_usd, now=now)
         self._budget_cache = (time.monotonic(), status)
         return status
@@ -155,11 +201,16 @@ class Router:
                 self._metric_children[key] = child
         return child
 
-    async def route(self, m: ServedModel) -> Plan:
+    async def route(self, m: ServedModel, tenant: Tenant | None = None, cls: PriorityClass | None = None,
+                    prompt_tokens: int = 0) -> Plan:
         """Decide where one request of ``m`` goes: the chosen backend first, then the fallbacks.
 
+        ``tenant``/``cls``: who sent it and in which priority class (None: no tenant admission). A tenant over
+        its limits gets 429 (:func:`lmfleet.tenants.admit`); a class with a local deadline (batch) stays local
+        while the predicted wait is within it and reaches a paid provider only when the tenant allows it.
+
         Raises a 429 :class:`GatewayError` when the budget is spent, the local queue is too long and the
-        fleet is configured to reject rather than queue.
+        fleet is configured to reject rather than queue, or when the tenant's admission refuses it.
         """
         estimate = self.estimate(m)
         m.last_estimate_ms = estimate
@@ -168,7 +219,7 @@ class Router:
                       for p in m.providers]
         budget = await self.budget_status() if candidates else None
         guard = self.guard if candidates else None
-        store_down = guard is not None and guard.is_down
+        store_down = (guard is not None and guard.is_down) or self.ledger_down
         if guard is not None and store_down:
             guard.probe_if_due()  # the route reopens once a probe gets through
         mode = m.mode
@@ -181,18 +232,65 @@ class Router:
                    budget=budget, on_exhausted=self.budget.on_exhausted, candidates=candidates,
                    store_down=store_down)
         m.hysteresis = d.state
-        reason = Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider else d.reason
+        reason: Reason | AdmissionReason = (Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider
+                                            else d.reason)
+        if tenant is not None and cls is not None and self.tenants is not None:
+            plan = self._admit(m, tenant, cls, prompt_tokens, d, reason, estimate, budget, store_down, local_down)
+            caps = self.tenant_caps.get(tenant.name)
+            return dataclasses.replace(plan, spend_caps=caps) if caps else plan
         self._child(self.metrics.overflowed, m.name, d.target, reason.value).inc()
+        return self._plan(m, d, reason, estimate, budget, store_down)
+
+    def _admit(self, m: ServedModel, tenant: Tenant, cls: PriorityClass, prompt_tokens: int, d: RouteDecision,
+               reason: Reason | AdmissionReason, estimate: float, budget: BudgetStatus | None, store_down: bool,
+               local_down: bool) -> Plan:
+        """Today's decision ``d`` under the tenant's admission: its limits (429), and for a class with a local
+        deadline: local while within it, a paid provider only when the tenant allows it, else 429."""
+        book = self.tenants
+        assert book is not None
+        headers = self._class_headers[cls.name]
+        if book.is_limited(tenant) or cls.max_wait_s is not None:
+            a = book.admit(tenant, cls, estimate_ms=estimate, threshold_ms=m.threshold_ms,
+                           provider_ok=d.is_provider, prompt_tokens=prompt_tokens)
+            if a.outcome is Outcome.REJECT:
+                self._child(self.metrics.overflowed, m.name, "reject", a.reason.value).inc()
+                self._child(self.metrics.tenant_rejected, tenant.name, a.reason.value).inc()
+                body = a.body() or {}
+                err = body.get("error", {})
+                raise GatewayError(429, a.message or "Rate limit reached.", type=err.get("type"),
+                                   code=err.get("code"), headers={**a.headers, **headers})
+            if a.headers:
+                headers = {**a.headers, **headers}
+            if cls.max_wait_s is not None and a.outcome is not Outcome.PROVIDER and not (
+                    local_down and d.is_provider and tenant.batch_may_use_providers):
+                # held locally (within its deadline): a paid provider only as a fallback the tenant allows
+                why = AdmissionReason.WITHIN_DEADLINE if d.is_provider or d.is_reject else reason
+                self._child(self.metrics.overflowed, m.name, "local", why.value).inc()
+                fallbacks = self._fallbacks(m, None, budget, store_down) if tenant.batch_may_use_providers else []
+                return Plan([m.local, *fallbacks], why, estimate, book.take(tenant), headers, cls)
+        self._child(self.metrics.overflowed, m.name, d.target, reason.value).inc()
+        return self._plan(m, d, reason, estimate, budget, store_down, tenant, headers, cls)
+
+    def _fallbacks(self, m: ServedModel, chosen: str | None, budget: BudgetStatus | None,
+                   store_down: bool) -> list[Backend]:
+        if (budget is None or budget.allowed) and not store_down and m.mode is not OverflowMode.FORCE_OFF:
+            return [p for p in m.providers if p.name != chosen and p.healthy()]
+        return []
+
+    def _plan(self, m: ServedModel, d: RouteDecision, reason: Reason | AdmissionReason, estimate: float,
+              budget: BudgetStatus | None, store_down: bool, tenant: Tenant | None = None,
+              headers: Mapping[str, str] = _NO_HEADERS, cls: PriorityClass | None = None) -> Plan:
+        """The backends of decision ``d``: the chosen one first, then the fallbacks (429 for a reject); the
+        tenant's request is counted (``ticket``) only once it cannot be refused any more."""
         if d.is_reject:
             why = ("The budget store cannot be reached, so paid providers are closed,"
                    if d.reason is Reason.BUDGET_STORE_DOWN else "External spending budget exhausted")
             raise GatewayError(429, f"{why} and the local queue for {m.name!r} is "
                                f"full (predicted wait {estimate:.0f} ms). Retry later.", code="budget_exhausted",
                                headers={"retry-after": str(max(1, int(d.retry_after_s or 60)))})
-        fallbacks: list[Backend] = []
-        if (budget is None or budget.allowed) and not store_down and m.mode is not OverflowMode.FORCE_OFF:
-            fallbacks = [p for p in m.providers if p.name != d.target and p.healthy()]
+        fallbacks = self._fallbacks(m, d.target, budget, store_down)
+        ticket = self.tenants.take(tenant) if tenant is not None and self.tenants is not None else None
         if d.is_provider:
             chosen = next(p for p in m.providers if p.name == d.target)
-            return Plan([chosen, *fallbacks, m.local], reason, estimate)
-        return Plan([m.local, *fallbacks], reason, estimate)
+            return Plan([chosen, *fallbacks, m.local], reason, estimate, ticket, headers, cls)
+        return Plan([m.local, *fallbacks], reason, estimate, ticket, headers, cls)

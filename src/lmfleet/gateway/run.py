@@ -35,6 +35,7 @@ from lmfleet.gateway.validation import ParsedRequest
 from lmfleet.overflow import Ledger, Reason
 from lmfleet.overflow.money import usd_to_nusd
 from lmfleet.overflow.store import SpendStore, StoreUnavailable, UsageRecord
+from lmfleet.tenants.queue import QueueFull
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -97,6 +98,7 @@ class Recorder:
         self._queue: asyncio.Queue[Callable[[], Any]] = asyncio.Queue()
         self._writer: asyncio.Task | None = None
         self._metric_children: dict[tuple[str, str, int], tuple[Any, ...]] = {}
+        self._tenant_metric_children: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
         self.failing_since: float | None = None
         """When the write at the head of the queue first failed (None: writes land)."""
         self.dropped = 0
@@ -162,11 +164,25 @@ class Recorder:
                 self.failing_since = None
             return
 
-    def count_error(self, model: str | None, status: int) -> None:
-        """An error answer that never reached a backend (validation, routing, give-up)."""
+    def count_error(self, model: str | None, status: int, tenant: str | None = None) -> None:
+        """An error answer that never reached a backend (validation, routing, give-up). ``tenant``: a configured
+        tenant's name (never a client's string: the label set must stay bounded)."""
         label = model if model in self._model_names else "unknown"  # arbitrary names must not blow up cardinality
         self.metrics.errors.labels(label, str(status)).inc()
         self.metrics.requests.labels(label, "none", str(status)).inc()
+        if tenant is not None:
+            self._tenant_children(tenant, status)[0].inc()
+
+    def _tenant_children(self, tenant: str, status: int) -> tuple[Any, Any, Any]:
+        key = (tenant, status)
+        c = self._tenant_metric_children.get(key)
+        if c is None:
+            m = self.metrics
+            c = (m.tenant_requests.labels(tenant, str(status)), m.tenant_tokens.labels(tenant, "input"),
+                 m.tenant_tokens.labels(tenant, "output"))
+            if len(self._tenant_metric_children) < 10_000:  # configured tenants x statuses
+                self._tenant_metric_children[key] = c
+        return c
 
     def _children(self, model: str, served_by: str, status: int) -> tuple[Any, ...]:
         """The labelled metric children of one (model, backend, status), looked up once
@@ -183,7 +199,14 @@ class Recorder:
                 self._metric_children[key] = c
         return c
 
-    def record(self, model: str, backend: Backend, o: Outcome, latency_s: float, slot: Any = None) -> None:
+    def record(self, model: str, backend: Backend, o: Outcome, latency_s: float, slot: Any = None,
+               tenant: str | None = None) -> None:
+        """Metrics and the ledger row of one finished request; ``tenant``: who sent it (None: no tenant)."""
+        if tenant is not None:
+            t_requests, t_in, t_out = self._tenant_children(tenant, o.status)
+            t_requests.inc()
+            t_in.inc(o.input_tokens)
+            t_out.inc(o.output_tokens)
         requests, latency, ttft, tokens_in, tokens_out, errors, cost_total = self._children(model, o.served_by,
                                                                                             o.status)
         requests.inc()
@@ -200,7 +223,7 @@ class Recorder:
             return
         row = UsageRecord(model=model, served_by=o.served_by, route_reason=o.reason, input_tokens=o.input_tokens,
                           output_tokens=o.output_tokens, status=str(o.status), latency_ms=latency_s * 1000,
-                          ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None)
+                          ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None, tenant=tenant)
         reservation = getattr(slot, "reservation", None)
         if reservation is not None and self.store is not None:  # settle the hold to the real cost, row included
             store = self.store
@@ -295,6 +318,11 @@ class RequestRun:
         self.reason: Reason = plan.reason
         self.request_id = f"{_ID_PREFIX}{next(_ids):x}"
         self.last_error: UpstreamError | None = None
+        self.ticket = plan.ticket
+        """The tenant's admission (None: no tenant): tokens are counted on it; whoever answers releases it."""
+        self.queue = model.queue if plan.priority is not None else None
+        self._holds_queue_slot = False
+        self._queue_expired = False
 
     # ---- answers -----------------------------------------------------------------------------
     async def unary(self) -> Response:
@@ -336,27 +364,68 @@ class RequestRun:
         """
         attempt = 0
         for b, k, later, final in self._tries():
+            if self._queue_expired and b is self.m.local:
+                continue  # its class's deadline in the local queue has passed: only a later backend may serve
             if k > 0:
                 await asyncio.sleep(min(b.backoff_s(k, self.last_error), self._remaining()))
             if self._remaining() <= 0:
                 break
             slot = await b.acquire(Ask(f"{self.request_id}-{attempt}", self.prompt_tokens, self.prompt_upper,
-                                       self.req.max_tokens, self.m.app.max_model_len))
+                                       self.req.max_tokens, self.m.app.max_model_len, self.plan.spend_caps))
             attempt += 1
             if slot is None:
                 continue
             try:
+                if self.queue is not None and b is self.m.local and not await self._local_slot():
+                    b.cancel(slot)
+                    continue
                 return b, slot, await call(b.endpoint(self.req.model, has_fallback=later).within(self._remaining()))
             except UpstreamError as e:
                 b.fail(slot, e)
+                self._leave_queue()
                 self._failed(b, e, k + 1, more=not final)
                 if not e.retryable:
                     break
+            except QueueFull as e:
+                b.cancel(slot)
+                raise GatewayError(429, f"The local queue for {self.m.name!r} is full ({e}).", code="queue_full",
+                                   headers={**self.plan.headers, "retry-after": "1"}) from None
             except BaseException:  # the client went away (cancellation): free the slot, the upstream call is closed
                 b.cancel(slot)
                 self._record(b, slot, Outcome(b.label, self.reason.value, self.prompt_tokens, 0, None, CANCELLED))
                 raise
+        if self._queue_expired and self._remaining() > 0:
+            raise self._deadline_passed()
         raise self._give_up()
+
+    async def _local_slot(self) -> bool:
+        """Wait in the model's priority queue for a local slot (held until :meth:`release`); False when the class's
+        deadline there (or the request's timeout) passed first."""
+        q, cls = self.queue, self.plan.priority
+        assert q is not None and cls is not None
+        if q.try_enter():
+            self._holds_queue_slot = True
+            return True
+        timeout = self._remaining()
+        if cls.max_wait_s is not None:
+            timeout = min(timeout, self.t0 + cls.max_wait_s - time.monotonic())
+        tenant = self.ticket.tenant if self.ticket is not None else ""
+        self._holds_queue_slot = await q.wait(tenant, cls.order, timeout)
+        if not self._holds_queue_slot and cls.max_wait_s is not None and self._remaining() > 0:
+            self._queue_expired = True
+        return self._holds_queue_slot
+
+    def _leave_queue(self) -> None:
+        if self._holds_queue_slot:
+            self._holds_queue_slot = False
+            self.queue.leave()  # type: ignore[union-attr]
+
+    def _deadline_passed(self) -> GatewayError:
+        cls = self.plan.priority
+        wait = cls.max_wait_s if cls is not None else 0
+        return GatewayError(429, f"No local slot for {self.m.name!r} freed up within the {wait:g} s deadline of class "
+                                 f"{cls.name if cls else ''!r}. Please try again later.", type="rate_limit_error",
+                            code="queue_deadline_exceeded", headers={**self.plan.headers, "retry-after": "1"})
 
     def _failed(self, b: Backend, e: UpstreamError, attempt_no: int, more: bool) -> None:
         self.last_error = e
@@ -406,10 +475,9 @@ class RequestRun:
         rename = st.endpoint.upstream_model != self.req.model
         try:
             async with asyncio.timeout(max(0.0, self._remaining())):
-                async for batch in st.batches():
-                    block = batch[0] if len(batch) == 1 else b"".join(batch)
+                async for block in st.blocks():
                     if rename or b'"usage"' in block or b'"error"' in block:
-                        block, n, usage, done, failed = self._rewrite(batch, usage, done, rename)
+                        block, n, usage, done, failed = self._rewrite(sse.split_events(block), usage, done, rename)
                         if failed:
                             status = 502
                     else:
@@ -479,10 +547,22 @@ class RequestRun:
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _headers(self, b: Backend) -> dict[str, str]:
-        return {SERVED_BY: b.label, ROUTE_REASON: self.reason.value, QUEUE_ESTIMATE: f"{self.plan.estimate_ms:.0f}"}
+        return {SERVED_BY: b.label, ROUTE_REASON: self.reason.value, QUEUE_ESTIMATE: f"{self.plan.estimate_ms:.0f}",
+                **self.plan.headers}
 
     def _record(self, b: Backend, slot: Any, o: Outcome) -> None:
-        self.recorder.record(self.m.name, b, o, time.monotonic() - self.t0, slot)
+        ticket = self.ticket
+        if ticket is not None:
+            ticket.add_tokens(o.input_tokens + o.output_tokens)
+        self.recorder.record(self.m.name, b, o, time.monotonic() - self.t0, slot,
+                             ticket.tenant if ticket is not None else None)
+
+    def release(self) -> None:
+        """The request has ended (answered, failed or abandoned): free its tenant's slot in flight and its place
+        in the local queue. Idempotent."""
+        if self.ticket is not None:
+            self.ticket.release()
+        self._leave_queue()
 
 
 def _event(obj: dict[str, Any]) -> bytes:

@@ -13,6 +13,7 @@ from lmfleet.gateway.pollers import EngineStatsPoller
 from lmfleet.gateway.router import Router
 from lmfleet.gateway.run import Recorder
 from lmfleet.gateway.upstream import HttpPool
+from lmfleet.tenants import TenantDirectory
 
 
 @dataclass
@@ -25,8 +26,8 @@ class Gateway:
     metrics: GatewayMetrics
     providers: dict[str, ProviderBackend]
     clients: list[HttpPool]
-    api_keys: frozenset[str]
-    """Client API keys; empty: /v1 is open."""
+    tenants: TenantDirectory
+    """Who holds which client key (as SHA-256 digests); ``is_open``: no key anywhere, /v1 is open."""
     admin_key: str | None
     """None: the admin API is disabled."""
     engine_stats: EngineStatsPoller | None = None
@@ -37,6 +38,12 @@ class Gateway:
     @property
     def models(self):
         return self.router.models
+
+    @property
+    def api_keys(self) -> TenantDirectory:
+        """The client keys, for :func:`lmfleet.gateway.access.operator_may_see` (the same object as ``tenants``;
+        no key is held in clear)."""
+        return self.tenants
 
     def start(self) -> None:
         """Start the background work (ledger writer, health and engine-metrics pollers) on the running loop."""

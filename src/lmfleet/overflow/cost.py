@@ -70,7 +70,14 @@ class LocalCostMeter:
 
     The window's interval is ``min(window_s, now - started)`` so a freshly started gateway does not
     divide a few seconds of tokens by a whole hour.
+
+    With several gateways (workers, other nodes) each sees only its share of the tokens: the others' window
+    counts, shared through the gateway registry, come in by :meth:`set_peer_tokens` and count with this
+    gateway's own (otherwise N gateways would each charge ~N x the real cost per token). A peer count older
+    than ``peer_ttl_s`` is ignored.
     """
+
+    peer_ttl_s = 10.0
 
     def __init__(self, hourly_cost_usd: float, *, window_s: float = 3600.0, min_tokens_per_hour: float = 10_000.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -81,6 +88,7 @@ class LocalCostMeter:
         self._started = clock()
         self._events: deque[tuple[float, int]] = deque()
         self._tokens = 0
+        self._peer: tuple[float, int] | None = None  # (set_at, other gateways' tokens in their windows)
 
     @classmethod
     def for_model(cls, model: ModelConfig, *, uses_gpus: bool, replicas: int | None = None,
@@ -94,12 +102,24 @@ class LocalCostMeter:
         self._events.append((t, output_tokens))
         self._tokens += output_tokens
 
-    def usd_per_output_token(self, now: float | None = None) -> float:
+    def window_tokens(self, now: float | None = None) -> int:
+        """Output tokens this gateway recorded in the trailing window (what it reports to its peers)."""
         t = self._clock() if now is None else now
         while self._events and self._events[0][0] <= t - self.window_s:
             self._tokens -= self._events.popleft()[1]
+        return self._tokens
+
+    def set_peer_tokens(self, tokens: int, now: float | None = None) -> None:
+        """The other gateways' window counts for this model, summed (from the gateway registry)."""
+        self._peer = (self._clock() if now is None else now, max(0, int(tokens)))
+
+    def usd_per_output_token(self, now: float | None = None) -> float:
+        t = self._clock() if now is None else now
+        tokens = self.window_tokens(t)
+        if self._peer is not None and t - self._peer[0] <= self.peer_ttl_s:
+            tokens += self._peer[1]
         interval = max(1.0, min(self.window_s, t - self._started))
-        return local_usd_per_token(self.hourly_cost_usd, interval, self._tokens, self.min_tokens_per_hour)
+        return local_usd_per_token(self.hourly_cost_usd, interval, tokens, self.min_tokens_per_hour)
 
     def request_cost_usd(self, output_tokens: int, now: float | None = None) -> float:
         return output_tokens * self.usd_per_output_token(now)

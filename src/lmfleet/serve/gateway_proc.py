@@ -119,7 +119,8 @@ def attach_peers(app: Any, host: str, port: int, role: str) -> None:
     from lmfleet.gateway.peers import PeerBoard
 
     gw = app.state.gateway
-    gw.peers = PeerBoard({n: m.local.tracker for n, m in gw.models.items()}, host=host, port=port, role=role)
+    gw.peers = PeerBoard({n: m.local.tracker for n, m in gw.models.items()}, host=host, port=port, role=role,
+                         meters={n: m.local.meter for n, m in gw.models.items()})
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -4,6 +4,7 @@
     window.py      RateWindow: a sliding-window counter, O(1) per request (requests and tokens per minute)
     admission.py   requested_class() from the x-lmfleet-priority header; admit(): local now / local wait /
                    provider / 429 with OpenAI's rate-limit headers
+    book.py        TenantBook: one process's live usage (rate windows, in flight); Ticket per admitted request
     fairness.py    next_to_dispatch(): classes strictly, tenants least-recently-served, FIFO within a tenant
 
 All pure: no I/O beyond reading key sources in ``TenantDirectory.build``. The config models are in
@@ -22,6 +23,7 @@ from lmfleet.tenants.admission import (
     rate_limit_headers,
     requested_class,
 )
+from lmfleet.tenants.book import TenantBook, Ticket
 from lmfleet.tenants.directory import Tenant, TenantDirectory, TenantKeyError
 from lmfleet.tenants.fairness import Waiting, expired, next_to_dispatch, served
 from lmfleet.tenants.window import RateWindow, format_duration
@@ -36,7 +38,9 @@ __all__ = [
     "Tenant",
     "TenantDirectory",
     "TenantKeyError",
+    "TenantBook",
     "TenantUsage",
+    "Ticket",
     "Waiting",
     "admit",
     "expired",

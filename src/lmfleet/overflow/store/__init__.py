@@ -4,7 +4,7 @@
     base.py       the SpendStore protocol, its records, its errors
     _sql.py       the store over SQL (reservations, settled buckets, ledger rows in one database)
     sqlite.py     one node, several processes (the embedded default; the ledger's SQLite file)
-    postgres.py   several nodes (``ledger.url: postgresql://...``)
+    postgres.py   several nodes (``ledger.url: postgresql://...``); its ``PgDatabase`` also serves the ledger
 
 See ``_sql.py`` for the tables and the locking, ``decision.py`` for the arithmetic.
 """
@@ -30,6 +30,7 @@ from lmfleet.overflow.store.decision import (
     caps_exceeded,
     caps_for_budget,
     retry_after_s,
+    tenant_key,
     worst_case_cost_nusd,
 )
 from lmfleet.overflow.store.postgres import PostgresSpendStore
@@ -49,8 +50,10 @@ __all__ = [
     "UsageRecord",
     "caps_exceeded",
     "caps_for_budget",
+    "database_password",
     "open_spend_store",
     "retry_after_s",
+    "tenant_key",
     "worst_case_cost_nusd",
 ]
 
@@ -65,12 +68,17 @@ def open_spend_store(cfg: LedgerConfig, *, environ: Mapping[str, str] = os.envir
     extra = {} if clock is None else {"clock": clock}
     if cfg.url is None:
         return SqliteSpendStore(cfg.path, ttl_s=cfg.reservation_ttl_s, busy_timeout_s=cfg.connect_timeout_s, **extra)
-    password = None
-    if cfg.password_env is not None:
-        password = environ.get(cfg.password_env)
-        if password is None:
-            raise SpendStoreError(f"ledger.password_env names {cfg.password_env}, which is not set")
-    return PostgresSpendStore(cfg.url, password=password, ttl_s=cfg.reservation_ttl_s,
+    return PostgresSpendStore(cfg.url, password=database_password(cfg, environ), ttl_s=cfg.reservation_ttl_s,
                               connect_timeout_s=cfg.connect_timeout_s, statement_timeout_s=cfg.connect_timeout_s,
                               **extra)
 
+
+def database_password(cfg: LedgerConfig, environ: Mapping[str, str]) -> str | None:
+    """The PostgreSQL password from the variable ``password_env`` names (None: none configured).
+    ``SpendStoreError`` when that variable is not set."""
+    if cfg.password_env is None:
+        return None
+    password = environ.get(cfg.password_env)
+    if password is None:
+        raise SpendStoreError(f"ledger.password_env names {cfg.password_env}, which is not set")
+    return password

@@ -6,7 +6,8 @@ Tables (one database, beside the ledger's ``requests`` rows)::
                    one row per cap key the request counts against; a hold counts while expires_at > now
     spend_buckets  (key, bucket_end) -> nusd
                    settled spend per key in ``bucket_s`` buckets (see decision.py for the window rule)
-    requests       the ledger's rows, exactly as ``overflow.ledger.Ledger`` writes and reads them
+    requests       the ledger's rows, exactly as ``overflow.ledger`` (``Ledger``, ``PostgresLedger``) writes and
+                   reads them; ``tenant`` (NULL: none known) since schema version 2
 
 Every reservation runs in one transaction that first locks its keys (SQLite: ``BEGIN IMMEDIATE``, the database's single writer lock; PostgreSQL: ``SELECT
 ... FOR UPDATE`` on one ``budget_keys`` row per key, in key order so two requests never deadlock), so
@@ -49,9 +50,9 @@ class Query(Protocol):
 
 def _ledger_insert(q: Query, record: UsageRecord, cost_nusd: int, ts: float) -> None:
     q("INSERT INTO requests (ts, model, served_by, route_reason, input_tokens, output_tokens,"
-      " latency_ms, ttft_ms, status, cost_nusd) VALUES (?,?,?,?,?,?,?,?,?,?)",
+      " latency_ms, ttft_ms, status, cost_nusd, tenant) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
       (ts, record.model, record.served_by, record.route_reason, record.input_tokens, record.output_tokens,
-       record.latency_ms, record.ttft_ms, str(record.status), cost_nusd))
+       record.latency_ms, record.ttft_ms, str(record.status), cost_nusd, record.tenant))
 
 
 class SqlSpendStore:
@@ -67,6 +68,9 @@ class SqlSpendStore:
         self._outbox: list[tuple[tuple[str, ...], Callable[[Query], object]]] = []
         self._outbox_lock = threading.Lock()
         self._last_purge = float("-inf")
+        self.writes_landed = 0
+        """Settles, releases and records written so far (deferred ones count when they land): a write that
+        lands after a failure tells the gateway's ``BudgetGuard`` the database is back, without a probe."""
 
     # --- backend hooks -------------------------------------------------------------------------------
     def _transaction(self, keys: Sequence[str]) -> AbstractContextManager[Query]:
@@ -168,7 +172,9 @@ class SqlSpendStore:
         try:
             self._flush()
             with self._transaction(keys) as q:
-                return apply(q)
+                result = apply(q)
+            self.writes_landed += 1
+            return result
         except StoreUnavailable as e:
             with self._outbox_lock:
                 self._outbox.append((tuple(keys), apply))
@@ -185,4 +191,5 @@ class SqlSpendStore:
                 with self._transaction(keys) as q:
                     apply(q)
                 self._outbox.pop(0)
+                self.writes_landed += 1
 

@@ -64,6 +64,8 @@ class UsageRecord:
     status: str
     latency_ms: float | None = None
     ttft_ms: float | None = None
+    tenant: str | None = None
+    """The tenant whose key sent it; None: untagged (reports show it as ``default``)."""
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0 or self.output_tokens < 0:

@@ -24,6 +24,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 from lmfleet.config.models import BudgetConfig, ProviderPrice
 from lmfleet.overflow.budget import DAY_S, HOUR_S
@@ -36,6 +37,7 @@ __all__ = [
     "caps_exceeded",
     "caps_for_budget",
     "retry_after_s",
+    "tenant_key",
     "worst_case_cost_nusd",
 ]
 
@@ -91,13 +93,19 @@ class Refusal:
         return self.cap.reason
 
 
-def caps_for_budget(budget: BudgetConfig, key: str = GLOBAL) -> list[Cap]:
-    """The hourly and daily caps of ``BudgetConfig`` (those set) under ``key``."""
+def caps_for_budget(budget: Any, key: str = GLOBAL) -> list[Cap]:
+    """The hourly and daily caps (``hourly_usd`` / ``daily_usd``, those set) of ``BudgetConfig`` or a tenant's
+    limits, under ``key``."""
     caps = []
     for usd, window in ((budget.hourly_usd, HOUR_S), (budget.daily_usd, DAY_S)):
         if usd is not None:
             caps.append(Cap(key, window, usd_to_nusd(usd)))
     return caps
+
+
+def tenant_key(name: str) -> str:
+    """The spend-cap key of one tenant's external spend."""
+    return f"tenant:{name}"
 
 
 def _nusd_per_token(usd_per_1m: float) -> Decimal:

@@ -10,6 +10,7 @@ Failure: connects with ``connect_timeout_s``; statements and lock waits are boun
 ``statement_timeout_s`` (server-side), so a dead or stuck server fails a reservation closed
 (``StoreUnavailable``) instead of hanging it. A broken connection is dropped; the next call reconnects.
 Schema: created and migrated at start, once, under an advisory lock (several nodes may start at once).
+``PgDatabase`` (the pool, transactions, migrations) is shared with the ledger (``overflow.ledger.postgres``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from lmfleet.overflow.store._sql import Query, SqlSpendStore
 from lmfleet.overflow.store.base import SpendStoreError, StoreUnavailable
 
-__all__ = ["PostgresSpendStore", "redact_url"]
+__all__ = ["MIGRATIONS", "PgDatabase", "PostgresSpendStore", "redact_url"]
+
+T = TypeVar("T")
 
 _MIGRATION_LOCK = 0x6C6D666C  # pg_advisory_xact_lock id for schema changes ("lmfl")
 
@@ -65,6 +68,7 @@ CREATE TABLE IF NOT EXISTS spend_buckets (
     PRIMARY KEY (key, bucket_end)
 );
 """,
+    2: "ALTER TABLE requests ADD COLUMN IF NOT EXISTS tenant TEXT",
 }
 
 
@@ -83,11 +87,16 @@ def _one_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-class PostgresSpendStore(SqlSpendStore):
-    def __init__(self, url: str, *, password: str | None = None, ttl_s: float = 900.0, bucket_s: int = 60,
-                 retain_s: float = 8 * 86400.0, connect_timeout_s: float = 5.0, statement_timeout_s: float = 5.0,
-                 pool_size: int = 4, clock: Callable[[], float] = time.time) -> None:
-        super().__init__(ttl_s=ttl_s, bucket_s=bucket_s, retain_s=retain_s, clock=clock)
+class PgDatabase:
+    """Connections to one PostgreSQL database, shared by the spend store and the ledger (``ledger.url``).
+
+    A small pool (at most ``pool_size`` connections at once); a broken connection is dropped, and with it the
+    idle ones (the server went away), so the next call reconnects. Every failure is ``StoreUnavailable``, one line.
+    ``migrate()`` brings the schema (``MIGRATIONS``) up to date under an advisory lock.
+    """
+
+    def __init__(self, url: str, *, password: str | None = None, connect_timeout_s: float = 5.0,
+                 statement_timeout_s: float = 5.0, pool_size: int = 4) -> None:
         try:
             import psycopg
         except ImportError as e:  # an optional dependency: only multi-node fleets need it
@@ -110,7 +119,6 @@ class PostgresSpendStore(SqlSpendStore):
         self._idle_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(pool_size)
         self._closed = False
-        self._migrate()
 
     def close(self) -> None:
         with self._idle_lock:
@@ -119,30 +127,25 @@ class PostgresSpendStore(SqlSpendStore):
         for conn in idle:
             conn.close()
 
-    def __enter__(self) -> "PostgresSpendStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _unavailable(self, e: BaseException) -> StoreUnavailable:
+    def unavailable(self, e: BaseException) -> StoreUnavailable:
         return StoreUnavailable(f"ledger database {redact_url(self.url)}: {_one_line(e)}")
 
     @contextmanager
-    def _connection(self) -> Iterator[Any]:
-        """A pooled connection (at most ``pool_size`` at once); a broken one is dropped, not pooled."""
+    def _connection(self) -> Iterator[tuple[Any, bool]]:
+        """A connection and whether it was pooled (idle since an earlier call: the server may have dropped it)."""
         if self._closed:
             raise StoreUnavailable(f"ledger database {redact_url(self.url)}: store is closed")
         with self._slots:
             with self._idle_lock:
                 conn = self._idle.pop() if self._idle else None
+            pooled = conn is not None
             if conn is None:
                 try:
                     conn = self._psycopg.connect(self.url, **self._connect_kwargs)
                 except self._psycopg.Error as e:
-                    raise self._unavailable(e) from e
+                    raise self.unavailable(e) from e
             try:
-                yield conn
+                yield conn, pooled
             finally:
                 if conn.closed or conn.broken or self._closed:
                     conn.close()
@@ -156,8 +159,9 @@ class PostgresSpendStore(SqlSpendStore):
                         self._idle.append(conn)
 
     @contextmanager
-    def _transaction(self, keys: Sequence[str]) -> Iterator[Query]:
-        with self._connection() as conn:
+    def transaction(self) -> Iterator[Query]:
+        """One transaction; ``q(sql, params)`` takes ``?`` placeholders. Database errors: ``StoreUnavailable``."""
+        with self._connection() as (conn, _):
             try:
                 with conn.transaction():
                     cur = conn.cursor()
@@ -166,11 +170,61 @@ class PostgresSpendStore(SqlSpendStore):
                         cur.execute(sql.replace("?", "%s"), params or None)
                         return cur
 
-                    if keys:
-                        self._lock_keys(q, keys)
                     yield q
             except self._psycopg.Error as e:
-                raise self._unavailable(e) from e
+                raise self.unavailable(e) from e
+
+    def statement(self, sql: str, params: Sequence[Any], read: Callable[[Any], T], *, retry_stale: bool) -> T:
+        """One statement on its own (autocommit: one round trip), ``read(cursor)`` its result.
+
+        ``retry_stale``: if the pooled connection it got is found dead (the server restarted or dropped it while
+        idle), run it once more on a new one. Only for reads: a write whose connection broke may have landed.
+        """
+        with self._connection() as (conn, pooled):
+            try:
+                return read(conn.execute(sql.replace("?", "%s"), params or None))
+            except self._psycopg.Error as e:
+                if not (retry_stale and pooled and conn.broken):
+                    raise self.unavailable(e) from e
+        # the pooled connection was dead, and the idle ones were dropped with it: once more, on a new one
+        return self.statement(sql, params, read, retry_stale=False)
+
+    def migrate(self) -> None:
+        """Create or upgrade the tables (once per version, whichever node or process comes first)."""
+        with self.transaction() as q:
+            q("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
+            q("CREATE TABLE IF NOT EXISTS lmfleet_schema (version INTEGER NOT NULL)")
+            current = q("SELECT COALESCE(MAX(version), 0) FROM lmfleet_schema").fetchone()[0]
+            for version in sorted(v for v in MIGRATIONS if v > current):
+                q(MIGRATIONS[version])
+                q("INSERT INTO lmfleet_schema (version) VALUES (?)", (version,))
+
+
+class PostgresSpendStore(SqlSpendStore):
+    def __init__(self, url: str, *, password: str | None = None, ttl_s: float = 900.0, bucket_s: int = 60,
+                 retain_s: float = 8 * 86400.0, connect_timeout_s: float = 5.0, statement_timeout_s: float = 5.0,
+                 pool_size: int = 4, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(ttl_s=ttl_s, bucket_s=bucket_s, retain_s=retain_s, clock=clock)
+        self.url = url
+        self._db = PgDatabase(url, password=password, connect_timeout_s=connect_timeout_s,
+                              statement_timeout_s=statement_timeout_s, pool_size=pool_size)
+        self._db.migrate()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> "PostgresSpendStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _transaction(self, keys: Sequence[str]) -> Iterator[Query]:
+        with self._db.transaction() as q:
+            if keys:
+                self._lock_keys(q, keys)
+            yield q
 
     @staticmethod
     def _lock_keys(q: Query, keys: Sequence[str]) -> None:
@@ -179,12 +233,3 @@ class PostgresSpendStore(SqlSpendStore):
             # a key's first use: create its lock row (a concurrent creator waits on the unique index), then lock
             q("INSERT INTO budget_keys (key) SELECT unnest(?::text[]) ON CONFLICT DO NOTHING", (list(keys),))
             q(lock, (list(keys),))
-
-    def _migrate(self) -> None:
-        with self._transaction(()) as q:
-            q("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
-            q("CREATE TABLE IF NOT EXISTS lmfleet_schema (version INTEGER NOT NULL)")
-            current = q("SELECT COALESCE(MAX(version), 0) FROM lmfleet_schema").fetchone()[0]
-            for version in sorted(v for v in MIGRATIONS if v > current):
-                q(MIGRATIONS[version])
-                q("INSERT INTO lmfleet_schema (version) VALUES (?)", (version,))

@@ -20,10 +20,22 @@ from pathlib import Path
 from lmfleet.overflow.store._sql import Query, SqlSpendStore
 from lmfleet.overflow.store.base import StoreUnavailable
 
-__all__ = ["SqliteSpendStore"]
+__all__ = ["SqliteSpendStore", "add_tenant_column"]
 
-# version -> DDL; applied in order, each once (recorded in lmfleet_schema)
-MIGRATIONS: dict[int, str] = {
+
+def add_tenant_column(execute: Callable[..., sqlite3.Cursor]) -> None:
+    """``requests.tenant`` on a file made before it existed (idempotent: the ledger may have added it first)."""
+    if "tenant" in {row[1] for row in execute("PRAGMA table_info(requests)").fetchall()}:
+        return
+    try:
+        execute("ALTER TABLE requests ADD COLUMN tenant TEXT")
+    except sqlite3.OperationalError as e:  # another process added it between the look and the change
+        if "duplicate column" not in str(e):
+            raise
+
+
+# version -> DDL (or a function of the transaction's execute); applied in order, each once (in lmfleet_schema)
+MIGRATIONS: dict[int, str | Callable[[Query], None]] = {
     1: """
 CREATE TABLE IF NOT EXISTS requests (
     id            INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -56,6 +68,7 @@ CREATE TABLE IF NOT EXISTS spend_buckets (
     PRIMARY KEY (key, bucket_end)
 );
 """,
+    2: add_tenant_column,
 }
 
 
@@ -90,8 +103,12 @@ class SqliteSpendStore(SqlSpendStore):
             q("CREATE TABLE IF NOT EXISTS lmfleet_schema (version INTEGER NOT NULL)")
             current = q("SELECT COALESCE(MAX(version), 0) FROM lmfleet_schema").fetchone()[0]
             for version in sorted(v for v in MIGRATIONS if v > current):
-                for stmt in filter(str.strip, MIGRATIONS[version].split(";")):
-                    q(stmt)
+                step = MIGRATIONS[version]
+                if callable(step):
+                    step(q)
+                else:
+                    for stmt in filter(str.strip, step.split(";")):
+                        q(stmt)
                 q("INSERT INTO lmfleet_schema (version) VALUES (?)", (version,))
 
     @contextmanager

@@ -1,0 +1,103 @@
+"""DispatchQueue: local slots, the order waiting requests get them in, deadlines, cancellation, the bound."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lmfleet.tenants.queue import DispatchQueue, QueueFull
+
+INTERACTIVE, BATCH = 0, 10
+
+
+async def _park(q: DispatchQueue, who: list[str], tenant: str, order: int, label: str,
+                timeout_s: float | None = None) -> bool:
+    ok = await q.wait(tenant, order, timeout_s)
+    if ok:
+        who.append(label)
+    return ok
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("arrivals,expected", [
+    # (tenant, class order, label) in arrival order, while the one slot is taken
+    ([("a", BATCH, "a-batch"), ("b", INTERACTIVE, "b-inter")], ["b-inter", "a-batch"]),   # classes strictly
+    ([("a", BATCH, "a1"), ("a", BATCH, "a2"), ("a", BATCH, "a3"), ("b", BATCH, "b1")],
+     ["a1", "b1", "a2", "a3"]),                                                           # round-robin tenants
+    ([("a", INTERACTIVE, "a1"), ("a", INTERACTIVE, "a2")], ["a1", "a2"]),                   # FIFO in a tenant
+])
+async def test_a_freed_slot_goes_to_the_most_urgent_least_recently_served(arrivals, expected):
+    q = DispatchQueue(capacity=1)
+    assert q.try_enter() and not q.try_enter()
+    who: list[str] = []
+    tasks = [asyncio.create_task(_park(q, who, t, o, label)) for t, o, label in arrivals]
+    await _settle()
+    assert len(q.waiting) == len(arrivals)
+    for _ in arrivals:
+        q.leave()
+        await _settle()
+    assert who == expected
+    await asyncio.gather(*tasks)
+    q.leave()
+    assert q.running == 0 and not q.waiting
+
+
+async def test_nobody_skips_the_queue_while_someone_waits():
+    q = DispatchQueue(capacity=1)
+    assert q.try_enter()
+    waiter = asyncio.create_task(q.wait("a", BATCH, None))
+    await _settle()
+    q.running = 0  # a slot frees up without leave() dispatching: a newcomer must still not jump the queue
+    assert not q.try_enter()
+    q.running = 1
+    q.leave()
+    assert await waiter and q.running == 1
+
+
+async def test_a_wait_past_its_deadline_gets_no_slot_and_leaves_no_trace():
+    q = DispatchQueue(capacity=1)
+    assert q.try_enter()
+    assert await q.wait("a", BATCH, 0.05) is False
+    assert await q.wait("a", BATCH, 0) is False
+    assert not q.waiting and q.running == 1
+    q.leave()
+    assert q.running == 0
+
+
+async def test_a_cancelled_waiter_passes_its_slot_on():
+    q = DispatchQueue(capacity=1)
+    assert q.try_enter()
+    who: list[str] = []
+    first = asyncio.create_task(_park(q, who, "a", INTERACTIVE, "first"))
+    second = asyncio.create_task(_park(q, who, "b", INTERACTIVE, "second"))
+    await _settle()
+    q.leave()          # the slot is dispatched to "first" ...
+    first.cancel()     # ... which is cancelled before it runs: the slot must reach "second"
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await asyncio.wait_for(second, 1)
+    assert who == ["second"] and q.running == 1 and not q.waiting
+
+
+async def test_the_queue_is_bounded():
+    q = DispatchQueue(capacity=1, max_waiting=2)
+    assert q.try_enter()
+    tasks = [asyncio.create_task(q.wait("a", BATCH, None)) for _ in range(2)]
+    await _settle()
+    with pytest.raises(QueueFull):
+        await q.wait("b", INTERACTIVE, None)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert not q.waiting and q.running == 1
+
+
+@pytest.mark.parametrize("capacity,max_waiting", [(0, 1), (1, -1)])
+def test_bad_sizes_are_refused(capacity, max_waiting):
+    with pytest.raises(ValueError):
+        DispatchQueue(capacity, max_waiting)
