@@ -127,7 +127,10 @@ class Gateway:
 
 
 def start_gateway(folder: Path, fake_url: str, variant: str, admin_key: str, profile_out: str | None) -> Gateway:
-    loop, http = variant.split(":")
+    loop, http, *client = variant.split(":")
+    env = {**os.environ, ADMIN_ENV: admin_key}
+    if client:  # a third part picks the stream client: "aiohttp" is the one before streamclient.py
+        env["LMFLEET_STREAM_CLIENT"] = client[0]
     port = free_port()
     cfg = write_fleet(folder, port, fake_url)
     argv = [sys.executable, __file__, "--serve-gateway", str(cfg), "--fake-url", fake_url, "--loop", loop,
@@ -135,7 +138,7 @@ def start_gateway(folder: Path, fake_url: str, variant: str, admin_key: str, pro
     if profile_out:
         argv += ["--profile-out", profile_out]
     log = open(folder / f"gateway-{port}.log", "wb")
-    proc = subprocess.Popen(argv, env={**os.environ, ADMIN_ENV: admin_key}, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     gw = Gateway(variant, f"http://127.0.0.1:{port}", proc)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -417,7 +420,8 @@ def main() -> None:
     ap.add_argument("--itl-ms", type=float, default=0.0, help="the fake engine's inter-token latency")
     ap.add_argument("--variants", default="uvloop:lmfleet",
                     help="uvicorn loop:http pairs, one gateway process each; http \"lmfleet\" is what lmfleet serve runs "
-                         "(httptools behind gateway/server.py guarded_protocol)")
+                         "(httptools behind gateway/server.py guarded_protocol); a third part :aiohttp streams "
+                         "through aiohttp instead of gateway/streamclient.py (LMFLEET_STREAM_CLIENT)")
     ap.add_argument("--paths", default="provider,local", help="gateway paths to measure (direct always runs)")
     ap.add_argument("--fleet-tokens-s", type=float, default=50_000.0, help="fleet output rate to size gateways for")
     ap.add_argument("--profile", type=Path, help="cProfile the first variant's gateway into this file")

@@ -169,3 +169,33 @@ def test_check_context(prompt, max_tokens, limit, ok):
 ])
 def test_clean_message(raw, clean):
     assert clean_message(raw) == clean
+
+
+@pytest.mark.parametrize("chunks", [
+    [b"data: a\n\n"],
+    [b"data: a\n", b"\ndata: b\n\n"],
+    [b"data: a\r\n\r\ndata: b"],
+    [b"da", b"ta: [DONE]\n\n"],
+    [b"data: a\r", b"\n\r\ndata: b\r\n\r", b"\n"],
+    [b"data: a\n\ndata: b\n", b"\n"],
+    [b"\n\n\n\n: ping\n\n"],
+    [b"data: a\n\ndata: b\r"],
+    [b"data: 1\n\n", b"data: 2\n\ndata: 3\n", b"\ndata: 4", b"\n\n"],
+    [b"data: 1\n\n", b"d", b"ata: [DONE]\n\n"],  # one byte: no "\n\n" in it, nothing complete
+    [b"d", b"\n", b"\n"],
+])
+def test_feed_block_gives_the_same_events_as_feed(chunks):
+    """The relay's block splitter and the per-event one agree on events and rest, whatever the read edges."""
+    a, b = sse.SSESplitter(), sse.SSESplitter()
+    events = [e for c in chunks for e in a.feed(c)]
+    blocks = [b.feed_block(c) for c in chunks]
+    assert all(blk.endswith(b"\n\n") or blk == b"" for blk in blocks)
+    assert sse.split_events(b"".join(blocks)) == events and b.rest() == a.rest()
+
+
+def test_feed_block_bounds_the_unfinished_event():
+    s = sse.SSESplitter(max_event_bytes=64)
+    assert s.feed_block(b"data: ok\n\ndata: " + b"x" * 40) == b"data: ok\n\n"
+    with pytest.raises(sse.SSEEventTooLarge, match="64-byte limit"):
+        s.feed_block(b"y" * 40)
+    assert s.rest() == b"" and s.feed_block(b"data: ok\n\n") == b"data: ok\n\n"

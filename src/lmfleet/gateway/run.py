@@ -406,10 +406,9 @@ class RequestRun:
         rename = st.endpoint.upstream_model != self.req.model
         try:
             async with asyncio.timeout(max(0.0, self._remaining())):
-                async for batch in st.batches():
-                    block = batch[0] if len(batch) == 1 else b"".join(batch)
+                async for block in st.blocks():
                     if rename or b'"usage"' in block or b'"error"' in block:
-                        block, n, usage, done, failed = self._rewrite(batch, usage, done, rename)
+                        block, n, usage, done, failed = self._rewrite(sse.split_events(block), usage, done, rename)
                         if failed:
                             status = 502
                     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -32,17 +33,27 @@ from lmfleet.gateway.errors import (
     UpstreamUnreachable,
 )
 from lmfleet.gateway.sse import SSEEventTooLarge, SSESplitter, has_choices
+from lmfleet.gateway.streamclient import StreamPool
 from lmfleet.overflow.breaker import parse_retry_after
 
 
+STREAM_CLIENT_ENV = "LMFLEET_STREAM_CLIENT"
+"""``aiohttp``: streams over plain http use aiohttp too instead of :mod:`lmfleet.gateway.streamclient` (for
+benchmarks/bench_relay.py's side-by-side; unset in production)."""
+
+
 class HttpPool:
-    """One keep-alive connection pool (an aiohttp session), opened on the gateway's event loop by
-    :meth:`open` (the app's lifespan) or at first use."""
+    """Keep-alive connection pools to one kind of backend, opened on the gateway's event loop by :meth:`open`
+    (the app's lifespan) or at first use: streams over plain http (the local replicas) through the lean
+    :class:`~lmfleet.gateway.streamclient.StreamPool`, everything else (unary calls, https) through aiohttp.
+    Each pool holds at most ``max_connections``."""
 
     def __init__(self, *, max_connections: int, connect_timeout_s: float | None = None):
         self.max_connections = max_connections
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._streams: StreamPool | None = None
+        self.lean_streams = os.environ.get(STREAM_CLIENT_ENV, "").lower() != "aiohttp"
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -56,10 +67,23 @@ class HttpPool:
     def open(self) -> None:
         _ = self.session
 
+    async def post_stream(self, url: yarl.URL, body: bytes, headers: dict[str, str]) -> Any:
+        """Send a streaming request; the response has ``status``, ``headers``, ``read()``, ``content.readany()``,
+        ``content.at_eof()``, ``content.set_exception()``, ``release()`` and ``close()`` whichever client sent it."""
+        if url.scheme == "http" and self.lean_streams:
+            if self._streams is None:
+                self._streams = StreamPool(max_connections=self.max_connections,
+                                           connect_timeout_s=self.connect_timeout_s)
+            return await self._streams.post(url, body, headers)
+        return await self.session.post(url, data=body, headers=headers)
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._streams is not None:
+            await self._streams.close()
+            self._streams = None
 
 
 @dataclass(frozen=True)
@@ -191,7 +215,7 @@ class _IdleWatchdog:
     ``idle_timeout_s``. The reader only stamps :attr:`last` per read; one timer per stream re-arms itself for
     what is left of the quiet period (an ``asyncio.timeout`` around each read cost ~5 % of the relay's CPU)."""
 
-    def __init__(self, content: aiohttp.StreamReader, ep: Endpoint) -> None:
+    def __init__(self, content: Any, ep: Endpoint) -> None:
         self.loop = asyncio.get_running_loop()
         self.content, self.ep = content, ep
         self.idle = float(ep.idle_timeout_s or 0)
@@ -218,34 +242,35 @@ class OpenStream:
     Until then nothing was sent to the client, so a failure can still go to another backend.
     """
 
-    def __init__(self, ep: Endpoint, resp: aiohttp.ClientResponse, splitter: SSESplitter, head: list[bytes]):
+    def __init__(self, ep: Endpoint, resp: Any, splitter: SSESplitter, head: list[bytes]):
         self.endpoint = ep
         self._resp = resp
         self._splitter = splitter
         self.head = head
 
-    async def batches(self) -> AsyncIterator[list[bytes]]:
-        """Complete events, grouped as they arrived (one list per read from the backend).
+    async def blocks(self) -> AsyncIterator[bytes]:
+        """Complete events as they arrived, joined (one block per read from the backend; blank events kept).
 
         Raises one of :data:`STREAM_ERRORS` when the stream breaks or stays silent for ``idle_timeout_s``.
         """
         if self.head:
-            yield self.head
+            yield b"".join(self.head)
         content = self._resp.content
         watchdog = _IdleWatchdog(content, self.endpoint) if self.endpoint.idle_timeout_s else None
+        feed = self._splitter.feed_block
         try:
             while chunk := await content.readany():
                 if watchdog is not None:
                     watchdog.last = watchdog.loop.time()
-                events = self._splitter.feed(chunk)
-                if events:
-                    yield events
+                block = feed(chunk)
+                if block:
+                    yield block
         finally:
             if watchdog is not None:
                 watchdog.cancel()
         rest = self._splitter.rest()
         if rest.strip():
-            yield [rest + b"\n\n"]
+            yield rest + b"\n\n"
 
     async def aclose(self) -> None:
         if self._resp.content.at_eof():
@@ -256,12 +281,12 @@ class OpenStream:
 
 async def open_stream(ep: Endpoint, path: str, body: dict[str, Any]) -> OpenStream:
     """Start a streaming call and wait for its first event carrying a choice (or its end)."""
-    resp: aiohttp.ClientResponse | None = None
+    resp: Any = None
 
     async def _first() -> OpenStream:
         nonlocal resp
-        resp = await ep.client.session.post(_url(ep.base_url, path), data=prepare_body(ep, body, True),
-                                            headers={**_JSON, **ep.headers})
+        resp = await ep.client.post_stream(_url(ep.base_url, path), prepare_body(ep, body, True),
+                                           {**_JSON, **ep.headers})
         if resp.status != 200:
             raw = await resp.read()
             raise _error_from_response(ep, resp.status, raw, resp.headers)
