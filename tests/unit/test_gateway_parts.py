@@ -199,3 +199,29 @@ def test_feed_block_bounds_the_unfinished_event():
     with pytest.raises(sse.SSEEventTooLarge, match="64-byte limit"):
         s.feed_block(b"y" * 40)
     assert s.rest() == b"" and s.feed_block(b"data: ok\n\n") == b"data: ok\n\n"
+
+
+@pytest.mark.parametrize("raw, refused", [
+    pytest.param(b'{"model":"m","messages":[{"role":"user","content":"hi \\u00e9"}]}', False, id="plain-chat"),
+    pytest.param(b'{"a":"\\ud800"}', True, id="lone-surrogate"),
+    pytest.param(b'{"a":"\\uDBFF x"}', True, id="lone-surrogate-upper-case"),
+    pytest.param(b'{"\\udc00":1}', True, id="lone-surrogate-in-a-key"),
+    pytest.param(b'{"a":"\\ud83d\\ude00"}', False, id="surrogate-pair"),
+    pytest.param('{"a":"\\ud800"}'.encode("utf-16-le"), True, id="utf-16-body"),
+    pytest.param(b'{"a":' + b"[" * 70 + b"]" * 70 + b"}", True, id="too-deep"),
+    pytest.param(b'{"a":' + b"[" * 60 + b"]" * 60 + b"}", False, id="deep-but-allowed"),
+    pytest.param(b'{"a":"' + b"[" * 100 + b'"}', False, id="brackets-in-a-string"),
+])
+def test_parse_json_refuses_the_same_bodies_with_the_quick_scan(raw, refused):
+    """The scan that skips the tree walk never lets through a body the walk would refuse."""
+    from lmfleet.gateway.errors import GatewayError
+    from lmfleet.gateway.validation import _may_need_tree_check, parse_json
+
+    try:
+        parse_json(raw)
+        got = False
+    except GatewayError:
+        got = True
+    assert got == refused
+    if refused:
+        assert _may_need_tree_check(raw)

@@ -109,8 +109,18 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
-    _check_tree(body)
+    if _may_need_tree_check(raw):
+        _check_tree(body)
     return body
+
+
+def _may_need_tree_check(raw: bytes) -> bool:
+    """False when the raw text proves the tree check would pass, found with three C-level scans instead of a
+    walk over every value (~0.1 ms of a typical chat request): nesting is at most the number of opening
+    brackets, and a lone surrogate can only come from a ``\\uD800``-``\\uDFFF`` escape (the UTF-8 decoder
+    refuses encoded ones; a body in UTF-16/32, which has NUL bytes, is always walked)."""
+    return (raw.count(b"{") + raw.count(b"[") > MAX_DEPTH or b"\\ud" in raw or b"\\uD" in raw
+            or b"\x00" in raw)
 
 
 def _check_number(body: dict[str, Any], name: str) -> None:
