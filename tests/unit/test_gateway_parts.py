@@ -225,3 +225,31 @@ def test_parse_json_refuses_the_same_bodies_with_the_quick_scan(raw, refused):
     assert got == refused
     if refused:
         assert _may_need_tree_check(raw)
+
+
+_CHUNK = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"%d"}}]}\n\n'
+_USAGE = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+_USAGE_IN_CHOICE = b'data: {"id":"x","choices":[{"index":0,"delta":{}}],"usage": {"prompt_tokens":3,"completion_tokens":2}}\n\n'
+_NULL_USAGE = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"n"}}],"usage":null}\n\n'
+
+
+@pytest.mark.parametrize("block", [
+    pytest.param(_CHUNK % 1 + _CHUNK % 2 + _USAGE + b"data: [DONE]\n\n", id="whole-stream"),
+    pytest.param(_USAGE, id="usage-alone"),
+    pytest.param(_USAGE + b"data: [DONE]\n\n", id="usage-then-done"),
+    pytest.param(_CHUNK % 1 + _USAGE_IN_CHOICE + b"data: [DONE]\n\n", id="usage-in-a-choice-chunk"),
+    pytest.param(_NULL_USAGE + _CHUNK % 1 + _USAGE, id="null-usage-is-a-plain-chunk"),
+    pytest.param(_USAGE + _USAGE, id="two-usage-events"),
+])
+@pytest.mark.parametrize("wants_usage", [False, True])
+def test_taking_usage_from_a_block_matches_the_event_by_event_path(block, wants_usage):
+    """The relay's quick usage path (only the usage event is parsed) sends what the slow path sends."""
+    from types import SimpleNamespace
+
+    from lmfleet.gateway.run import RequestRun
+
+    me = SimpleNamespace(req=SimpleNamespace(wants_usage=wants_usage, model="m"))
+    quick, quick_usage = RequestRun._take_usage(me, block, None)
+    slow, chunks, slow_usage, done, failed = RequestRun._rewrite(me, sse.split_events(block), None, False, False)
+    assert (quick, quick_usage) == (slow, slow_usage) and quick_usage == (3, 2)
+    assert sse.count_choices(quick) == chunks and not failed

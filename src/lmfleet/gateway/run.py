@@ -476,10 +476,14 @@ class RequestRun:
         try:
             async with asyncio.timeout(max(0.0, self._remaining())):
                 async for block in st.blocks():
-                    if rename or b'"usage"' in block or b'"error"' in block:
+                    if rename or b'"error"' in block:
                         block, n, usage, done, failed = self._rewrite(sse.split_events(block), usage, done, rename)
                         if failed:
                             status = 502
+                    elif b'"usage":' in block:  # the usage event (one per stream): only it is parsed
+                        block, usage = self._take_usage(block, usage)
+                        n = sse.count_choices(block)
+                        done = done or sse.DONE in block
                     else:
                         n = sse.count_choices(block)
                         done = done or sse.DONE in block
@@ -514,6 +518,29 @@ class RequestRun:
             else:
                 b.break_stream(slot, out_tokens, timed_out=status == 504)
             self._record(b, slot, Outcome(b.label, self.reason.value, in_tokens, out_tokens, ttft, status))
+
+    def _take_usage(self, block: bytes, usage: tuple[int, int] | None) -> tuple[bytes, tuple[int, int] | None]:
+        """Read the usage of the events in ``block`` that carry one (and drop it unless the client asked), leaving
+        the other events' bytes as they are. Returns (bytes to send, usage)."""
+        out = []
+        pos = 0
+        while (i := _find_usage(block, pos)) >= 0:
+            start = block.rfind(b"\n\n", pos, i)
+            start = pos if start < 0 else start + 2
+            end = block.find(b"\n\n", i)
+            end = len(block) if end < 0 else end + 2
+            event = block[start:end]
+            obj = sse.event_json(event)
+            usage = sse.usage_of(obj) or usage
+            out.append(block[pos:start])
+            if self.req.wants_usage or obj is None:
+                out.append(event)
+            elif obj.get("choices"):
+                obj.pop("usage", None)
+                out.append(_event(obj))
+            pos = end
+        out.append(block[pos:])
+        return b"".join(out), usage
 
     def _rewrite(self, batch: list[bytes], usage: tuple[int, int] | None, done: bool,
                  rename: bool) -> tuple[bytes, int, tuple[int, int] | None, bool, bool]:
@@ -563,6 +590,12 @@ class RequestRun:
         if self.ticket is not None:
             self.ticket.release()
         self._leave_queue()
+
+
+def _find_usage(block: bytes, pos: int) -> int:
+    """Where the next usage object starts at or after ``pos`` (-1: none); ``"usage":null`` does not count."""
+    a, b = block.find(b'"usage":{', pos), block.find(b'"usage": {', pos)
+    return b if a < 0 else a if b < 0 else min(a, b)
 
 
 def _event(obj: dict[str, Any]) -> bytes:
