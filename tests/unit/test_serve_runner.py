@@ -17,3 +17,34 @@ def test_serve_refusal_becomes_a_deploy_error(monkeypatch):
     monkeypatch.setattr(serve, "run_many", refuse)
     with pytest.raises(DeployError, match="refused the deployment.*requires HAProxy"):
         deploy([])
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_engine_and_ray_logs_reach_the_terminal_only_when_verbose(monkeypatch, verbose):
+    """lmfleet serve keeps Ray's and the engines' log lines in Ray's log folder unless --verbose."""
+    import logging
+
+    from lmfleet.cluster import connect as connect_mod
+    from lmfleet.config import parse_config
+    from lmfleet.serve.runner import connect_ray
+
+    seen = {}
+
+    def fake_connect(address, *, local=None, env_vars=None, logging_level=logging.WARNING, **init_kwargs):
+        seen.update(init_kwargs, logging_level=logging_level)
+        return True
+
+    monkeypatch.setattr(connect_mod, "connect", fake_connect)
+    fleet = parse_config({"models": [{"name": "m", "source": "builtin:tiny-random"}]})
+    assert connect_ray(fleet, "10.0.0.1:6379", verbose=verbose) is True
+    assert seen["log_to_driver"] is verbose
+    assert seen["logging_level"] == (logging.INFO if verbose else logging.WARNING)
+
+
+def test_serve_has_a_verbose_switch():
+    from typer.testing import CliRunner
+
+    from lmfleet.cli.main import app
+
+    out = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200).output
+    assert "--verbose" in out

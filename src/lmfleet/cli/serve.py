@@ -20,6 +20,8 @@ def serve(
     deploy_timeout: float = typer.Option(900.0, help="Seconds to wait for every engine to come up."),
     gateway_workers: Optional[int] = typer.Option(
         None, "--gateway-workers", min=1, help="Gateway processes sharing the port (default: gateway.workers, 1)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v",
+                                 help="Also print the engines' and Ray's own log lines here (else: Ray's log folder)."),
 ) -> None:
     """Deploy every model of the fleet on Ray Serve (vLLM engines) and serve the OpenAI-compatible gateway."""
     from lmfleet.serve.runner import run_serve
@@ -30,5 +32,5 @@ def serve(
         logging.getLogger(noisy).setLevel(logging.WARNING)
     code = run_serve(fleet, host=host or fleet.gateway.host, port=port or fleet.gateway.port, address=address,
                      deploy_timeout_s=deploy_timeout, progress=lambda s: typer.echo(s, err=False),
-                     workers=gateway_workers, config_path=config)
+                     workers=gateway_workers, config_path=config, verbose=verbose)
     raise typer.Exit(code)

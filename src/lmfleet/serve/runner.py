@@ -60,18 +60,33 @@ def prepare_serve_proxy(fleet: FleetConfig) -> None:
             raise DeployError(str(e)) from None
 
 
-def connect_ray(fleet: FleetConfig, address: str | None) -> bool:
-    """Join the cluster at ``address`` or start a local head. Returns True when we started Ray."""
+def connect_ray(fleet: FleetConfig, address: str | None, *, verbose: bool = False) -> bool:
+    """Join the cluster at ``address`` or start a local head. Returns True when we started Ray.
+
+    ``verbose``: the engines' and Ray's own log lines are copied to this terminal (else they stay in Ray's log
+    folder, :func:`ray_logs_dir`)."""
     from lmfleet.cluster.connect import LocalHead, connect
     from lmfleet.serve.proxy import effective_env, free_ports, serve_env, uses_haproxy
 
-    quiet = dict(logging_level=logging.WARNING, configure_logging=True)
+    quiet = dict(logging_level=logging.INFO if verbose else logging.WARNING, configure_logging=True,
+                 log_to_driver=verbose)
     if address:
         return connect(address, env_vars=effective_env(serve_env(fleet), os.environ), **quiet)
     cpus = fleet.cluster.num_cpus or max(8, os.cpu_count() or 1)
     # our own HAProxy side ports: Ray's fixed defaults (8404, 9101, 8500) collide between fleets on one machine
     env = effective_env(serve_env(fleet, free_ports() if uses_haproxy(fleet) else None), os.environ)
     return connect(None, local=LocalHead(num_cpus=cpus, env=env), **quiet)
+
+
+def ray_logs_dir() -> str | None:
+    """This node's Ray log folder for the connected session (the engines' logs are under it), if known."""
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        return node.get_logs_dir_path() if node is not None else None
+    except Exception:  # a private API: a Ray that moved it costs the hint, nothing else
+        return None
 
 
 def start_serve(fleet: FleetConfig, *, local_head: bool = True) -> None:
@@ -210,7 +225,7 @@ def _gcs_address() -> str:
 
 def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
               deploy_timeout_s: float = 900.0, progress: Callable[[str], None] = print,
-              workers: int | None = None, config_path: Path | None = None) -> int:
+              workers: int | None = None, config_path: Path | None = None, verbose: bool = False) -> int:
     """Run the whole fleet until SIGINT/SIGTERM. Returns the process exit code.
 
     ``workers`` (default ``gateway.workers``): gateway processes on host:port; the extra ones are started after
@@ -239,7 +254,10 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
         apps = build_model_apps(fleet, progress=progress)
         addr = ray_address(fleet, address)
         progress(f"lmfleet: {'joining Ray cluster at ' + addr if addr else 'starting a local Ray head'}...")
-        started_ray = connect_ray(fleet, addr)
+        started_ray = connect_ray(fleet, addr, verbose=verbose)
+        logs = ray_logs_dir()
+        if logs and not verbose:
+            progress(f"lmfleet: engine and Ray logs go to {logs} (--verbose shows them here)")
         reaper.snapshot()
         start_serve(fleet, local_head=started_ray)
         progress(f"lmfleet: Ray Serve's HTTP proxy on port {fleet.gateway.serve_port}: "
