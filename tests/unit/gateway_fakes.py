@@ -153,7 +153,8 @@ PROVIDER_KEY_ENV = "LMFLEET_FAKE_PROVIDER_KEY"
 
 def make_gateway(tmp_path, local: Handler, providers: dict[str, Handler] | None = None, *,
                  ready: bool = True, extra: dict | None = None, max_model_len: int = 64,
-                 api_keys: frozenset[str] | set[str] = frozenset(), admin_key: str | None = "adm") -> FastAPI:
+                 api_keys: frozenset[str] | set[str] = frozenset(), admin_key: str | None = "adm",
+                 provider_extra: dict | None = None) -> FastAPI:
     """The real gateway app for one model ``m`` (capacity 4) whose local deployment and providers are fakes.
 
     ``app.state.gateway`` holds its parts (router, providers, health, recorder) for assertions.
@@ -169,7 +170,8 @@ def make_gateway(tmp_path, local: Handler, providers: dict[str, Handler] | None 
         "providers": [{"name": n, "base_url": f"{fake_backend(h)}/v1", "model_map": {"m": f"{n}-model"},
                        "api_key_env": PROVIDER_KEY_ENV,
                        "price": {"input_per_1m": 1.0, "output_per_1m": 2.0}, "max_retries": 1,
-                       "breaker": {"backoff_base_s": 0.01, "backoff_cap_s": 0.02}} for n, h in providers.items()],
+                       "breaker": {"backoff_base_s": 0.01, "backoff_cap_s": 0.02}, **(provider_extra or {})}
+                      for n, h in providers.items()],
         "ledger": {"path": str(tmp_path / "ledger.sqlite")},
     }
     for k, v in (extra or {}).items():

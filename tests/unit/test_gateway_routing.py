@@ -461,7 +461,9 @@ async def test_budget_cap_is_exact_under_200_concurrent_paid_requests(tmp_path):
 
     body = {**CHAT, "max_tokens": 8}
     worst_usd = (7 * 1.0 + 8 * 2.0) / 1e6  # 7 prompt tokens (the fakes' tokenizer), prices 1 $/1M in, 2 $/1M out
-    app = make_gateway(tmp_path, ok_local, {"p": slow_provider}, extra={"budget": {"hourly_usd": 10.5 * worst_usd}})
+    # 200 connections opened at once to a fake in this process: on a loaded machine a 5 s connect timeout trips
+    app = make_gateway(tmp_path, ok_local, {"p": slow_provider}, extra={"budget": {"hourly_usd": 10.5 * worst_usd}},
+                       provider_extra={"timeouts": {"connect_s": 60}})
     c = await _client(app)
     await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
     answers = await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(200)))

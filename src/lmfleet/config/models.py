@@ -337,6 +337,18 @@ class BudgetConfig(_Strict):
     )
 
 
+class ObservabilityConfig(_Strict):
+    """Request tracing: OpenTelemetry spans per request (gateway -> upstream attempts -> relay), sent over OTLP/HTTP."""
+
+    otlp_endpoint: str | None = Field(
+        None, pattern=r"^https?://[^\s]+$", description="OTLP/HTTP collector, e.g. http://otel-collector:4318 "
+        "(spans go to /v1/traces). Null (the default): no tracing, and it costs nothing.")
+    service_name: str = Field("lmfleet-gateway", min_length=1, max_length=128,
+                              description="The spans' service.name resource attribute.")
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0,
+                                description="Share of requests traced (a client's sampled traceparent is followed).")
+
+
 class LedgerConfig(_Strict):
     """Where request costs and budget reservations live: a SQLite file (one node) or PostgreSQL (several)."""
 
@@ -482,6 +494,7 @@ class FleetConfig(_Strict):
     providers: list[ProviderConfig] = Field(default_factory=list, description="External providers, in priority order.")
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     tenants: list[TenantConfig] = Field(
         default_factory=list, description="Tenants: API keys, limits, allowed models, priority classes. Empty: "
         "one tenant 'default' holding gateway.api_keys_env/api_keys_file (docs/tenants.md).")

@@ -33,6 +33,7 @@ from lmfleet.gateway.errors import GatewayError, error_body
 from lmfleet.gateway.ops import ops_routes
 from lmfleet.gateway.run import DisconnectWatch, RelayResponse, RequestRun
 from lmfleet.gateway.service import Gateway
+from lmfleet.gateway.tracing import RequestTracer
 from lmfleet.gateway.validation import Kind, check_content_parts, check_prompt_count, check_size, validate_request
 from lmfleet.tenants import (
     PRIORITY_HEADER,
@@ -116,34 +117,45 @@ class OpenAIRoutes:
     the client to leave: when it does, the request's task is cancelled (and with it the upstream call).
     """
 
-    def __init__(self, prepare: Prepare, auth: AuthMiddleware):
+    def __init__(self, prepare: Prepare, auth: AuthMiddleware, tracer: RequestTracer | None = None):
         self.prepare = prepare
         self.auth = auth
+        self.tracer = tracer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind, path = HOT_ROUTES[scope["path"]]
         if (refusal := self.auth._refusal(scope)) is not None:
             await refusal(scope, receive, send)
             return
+        tracer = self.tracer
+        span = tracer.start_request(scope["path"], scope["headers"]) if tracer is not None else None
         try:
             run, stream = await self.prepare(Request(scope, receive), kind, path)
         except GatewayError as e:
+            if span is not None:
+                tracer.end_request(span, e.status, {"lmfleet.error.code": e.code})  # type: ignore[union-attr]
             await _send_whole(send, JSONResponse(e.body(), status_code=e.status, headers=e.headers))
             return
         except Exception:
+            if span is not None:
+                tracer.end_request(span, 500, {})  # type: ignore[union-attr]
             log.exception("unexpected error on %s", scope["path"])
             await _send_whole(send, JSONResponse(error_body("Internal gateway error.", "server_error"), 500))
             return
+        if span is not None:
+            run.span, run.tracer = span, tracer
         await self._answer(run, stream, receive, send)
 
     async def _answer(self, run: RequestRun, stream: bool, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
         watch = DisconnectWatch(receive, task)
+        status = 200
         try:
             try:
                 answer = await (run.stream() if stream else run.unary())
             except GatewayError as e:
+                status = e.status
                 run.recorder.count_error(run.req.model, e.status, run.ticket.tenant if run.ticket else None)
                 headers = {**run.plan.headers, **e.headers} if run.plan.headers else e.headers
                 await _send_whole(send, JSONResponse(e.body(), status_code=e.status, headers=headers))
@@ -154,16 +166,35 @@ class OpenAIRoutes:
                 watch.answered()
                 await _send_whole(send, answer)
         except asyncio.CancelledError:
+            status = 499
             if not watch.gone:
                 raise
             task.uncancel()  # the client left: nobody to answer
         except Exception:
+            status = 500
             log.exception("unexpected error on %s", run.path)
             with contextlib.suppress(Exception):  # fails once the response has started: the stream just ends
                 await _send_whole(send, JSONResponse(error_body("Internal gateway error.", "server_error"), 500))
         finally:
             watch.stop()
             run.release()  # the tenant's slot in flight, however the request ended
+            if run.span is not None:
+                _end_span(run, status)
+
+
+def _end_span(run: RequestRun, status: int) -> None:
+    """The request span's closing attributes: who served it, why, what it cost in tokens and time."""
+    o = run.outcome
+    attrs = {"gen_ai.request.model": run.req.model, "lmfleet.route_reason": run.reason.value,
+             "lmfleet.queue_estimate_ms": round(run.plan.estimate_ms, 1),
+             "lmfleet.tenant": run.ticket.tenant if run.ticket is not None else None}
+    if o is not None:
+        attrs.update({"lmfleet.served_by": o.served_by, "gen_ai.usage.input_tokens": o.input_tokens,
+                      "gen_ai.usage.output_tokens": o.output_tokens,
+                      "lmfleet.ttft_ms": round(o.ttft_s * 1000, 2) if o.ttft_s is not None else None})
+        if status == 200:
+            status = o.status
+    run.tracer.end_request(run.span, status, attrs)  # type: ignore[union-attr]
 
 
 async def _send_whole(send: Send, r: Response) -> None:
@@ -281,7 +312,7 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
 
     app.add_middleware(AuthMiddleware, gw=gw, trusted_hosts=trusted_hosts, metrics_public=cfg.metrics_public)
     # the two OpenAI routes are answered in front of FastAPI's stack (see OpenAIRoutes); FastAPI answers the rest
-    app.openai_routes = OpenAIRoutes(_openai, AuthMiddleware(app, gw, trusted_hosts, cfg.metrics_public))
+    app.openai_routes = OpenAIRoutes(_openai, AuthMiddleware(app, gw, trusted_hosts, cfg.metrics_public), gw.tracer)
     for path in HOT_ROUTES:  # also in FastAPI's router, which then answers other methods with 405
         app.add_route(path, app.openai_routes, methods=["POST"])
 

@@ -35,6 +35,7 @@ from lmfleet.gateway.validation import ParsedRequest
 from lmfleet.overflow import Ledger, Reason
 from lmfleet.overflow.money import usd_to_nusd
 from lmfleet.overflow.store import SpendStore, StoreUnavailable, UsageRecord
+from lmfleet.gateway.tracing import RequestTracer
 from lmfleet.tenants.queue import QueueFull
 
 log = logging.getLogger("lmfleet.gateway")
@@ -309,6 +310,13 @@ class DisconnectWatch:
 class RequestRun:
     """One request across its attempts (the plan's backends, tried in order)."""
 
+    span: Any = None
+    """The request's trace span (None: tracing off, the default); set with :attr:`tracer` by the route."""
+    tracer: RequestTracer | None = None
+    outcome: Outcome | None = None
+    """How it ended, once recorded (served by, tokens, status)."""
+    _relay_span: Any = None
+
     def __init__(self, model: ServedModel, req: ParsedRequest, path: str, plan: Plan, prompt: PromptSize,
                  t0: float, recorder: Recorder):
         self.m, self.req, self.path, self.plan = model, req, path, plan
@@ -345,6 +353,8 @@ class RequestRun:
         b, slot, st = await self._first_success(lambda ep: open_stream(ep, self.path, self.req.body))
         ttft = time.monotonic() - self.t0
         b.first_token(slot)
+        if self.span is not None:
+            self._relay_span = self.tracer.start_relay(self.span)  # type: ignore[union-attr]
         return RelayResponse(self._relay(st, b, slot, ttft), headers={**self._headers(b), "cache-control": "no-cache"})
 
     # ---- attempts ----------------------------------------------------------------------------
@@ -379,7 +389,10 @@ class RequestRun:
                 if self.queue is not None and b is self.m.local and not await self._local_slot():
                     b.cancel(slot)
                     continue
-                return b, slot, await call(b.endpoint(self.req.model, has_fallback=later).within(self._remaining()))
+                ep = b.endpoint(self.req.model, has_fallback=later).within(self._remaining())
+                if self.span is None:
+                    return b, slot, await call(ep)
+                return b, slot, await self._traced(call, ep, b, attempt)
             except UpstreamError as e:
                 b.fail(slot, e)
                 self._leave_queue()
@@ -397,6 +410,19 @@ class RequestRun:
         if self._queue_expired and self._remaining() > 0:
             raise self._deadline_passed()
         raise self._give_up()
+
+    async def _traced(self, call: Callable[[Endpoint], Awaitable[T]], ep: Endpoint, b: Backend, attempt: int) -> T:
+        """One attempt in its own span, whose context goes upstream in a ``traceparent`` header."""
+        tracer = self.tracer
+        assert tracer is not None
+        span = tracer.start_attempt(self.span, b.label, attempt)
+        try:
+            result = await call(dataclasses.replace(ep, headers={**ep.headers, **tracer.traceparent(span)}))
+        except BaseException as e:
+            tracer.end_attempt(span, e)
+            raise
+        tracer.end_attempt(span)
+        return result
 
     async def _local_slot(self) -> bool:
         """Wait in the model's priority queue for a local slot (held until :meth:`release`); False when the class's
@@ -578,6 +604,10 @@ class RequestRun:
                 **self.plan.headers}
 
     def _record(self, b: Backend, slot: Any, o: Outcome) -> None:
+        self.outcome = o
+        if self._relay_span is not None:
+            self.tracer.end_relay(self._relay_span, o.status, o.output_tokens)  # type: ignore[union-attr]
+            self._relay_span = None
         ticket = self.ticket
         if ticket is not None:
             ticket.add_tokens(o.input_tokens + o.output_tokens)

@@ -12,6 +12,7 @@ from lmfleet.gateway.peers import PeerBoard
 from lmfleet.gateway.pollers import EngineStatsPoller
 from lmfleet.gateway.router import Router
 from lmfleet.gateway.run import Recorder
+from lmfleet.gateway.tracing import RequestTracer
 from lmfleet.gateway.upstream import HttpPool
 from lmfleet.tenants import TenantDirectory
 
@@ -33,6 +34,8 @@ class Gateway:
     engine_stats: EngineStatsPoller | None = None
     peers: PeerBoard | None = None
     """Set by the process that runs the gateway on a Ray cluster (lmfleet.gateway.peers); None in tests."""
+    tracer: RequestTracer | None = None
+    """OpenTelemetry spans per request (``observability.otlp_endpoint``); None: tracing off."""
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -64,3 +67,5 @@ class Gateway:
         await self.recorder.close()
         for c in self.clients:
             await c.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.close)
