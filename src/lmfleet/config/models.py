@@ -278,6 +278,12 @@ class GatewayConfig(_Strict):
         5.0, ge=0, description="How often the gateway reads vLLM's running/waiting counts from every Ray node's "
         "metrics page for the queue estimate (each read costs the node's metrics agent ~0.1 s of CPU). 0: never."
     )
+    peers_period_s: float = Field(
+        0.25, ge=0.05, le=10, description="How often each gateway process reports its in-flight requests to the "
+        "others (the cluster's gateway registry) and reads theirs, so that several gateways overflow where one "
+        "would. Shorter: less over-admission between reports (benchmarks/bench_gateways_overload.py); each report "
+        "is one small Ray actor call."
+    )
 
 
 class ProviderPrice(_Strict):

@@ -1,5 +1,5 @@
 """Gateways that know about each other: every gateway process of a fleet (workers of ``lmfleet serve``,
-``lmfleet gateway`` on other nodes) reports itself once a second to one small registry actor in the Ray cluster.
+``lmfleet gateway`` on other nodes) reports itself every ``gateway.peers_period_s`` (0.25 s) to one small registry actor in the Ray cluster.
 
 What a gateway reports: where it listens, its pid and node, and per model its own in-flight requests and drain
 rate. What it gets back: every gateway's last report. Two uses:
@@ -7,7 +7,7 @@ rate. What it gets back: every gateway's last report. Two uses:
 * **One queue estimate**: each gateway adds the others' in-flight requests and drain rates to its own
   (:meth:`lmfleet.overflow.signals.LoadTracker.set_peer_load`), so N gateways behind a load balancer overflow at
   the point one gateway would, instead of each seeing 1/N of the queue. Reports are at most ``period_s`` old
-  (1 s): a burst shorter than that is seen by each gateway only in its own share, and by the engines' own
+  (0.25 s by default): a burst shorter than that is seen by each gateway only in its own share, and by the engines' own
   counts (vLLM running/waiting, polled from Ray's metrics) a few seconds later.
 * **``lmfleet cluster status``** lists every gateway (address, pid, in-flight, last seen).
 
@@ -158,7 +158,7 @@ class PeerBoard:
     """This gateway's side: report once every ``period_s``, apply the others' loads to the trackers."""
 
     def __init__(self, trackers: Mapping[str, LoadTracker], *, host: str, port: int, role: str = "gateway",
-                 period_s: float = 1.0, call: Callable[[str, Any], Any] | None = None,
+                 period_s: float = 0.25, call: Callable[[str, Any], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  meters: Mapping[str, LocalCostMeter] | None = None) -> None:
         self.id = f"{node_address()}:{port}:{os.getpid()}:{uuid.uuid4().hex[:6]}"

@@ -114,13 +114,13 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
-def attach_peers(app: Any, host: str, port: int, role: str) -> None:
+def attach_peers(app: Any, host: str, port: int, role: str, period_s: float = 0.25) -> None:
     """Report this gateway to the cluster's registry and count the others' load (needs a connected Ray)."""
     from lmfleet.gateway.peers import PeerBoard
 
     gw = app.state.gateway
     gw.peers = PeerBoard({n: m.local.tracker for n, m in gw.models.items()}, host=host, port=port, role=role,
-                         meters={n: m.local.meter for n, m in gw.models.items()})
+                         meters={n: m.local.meter for n, m in gw.models.items()}, period_s=period_s)
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -370,7 +370,7 @@ async def _gateway_main(fleet: FleetConfig, apps: list[Any], sock: socket.socket
     app = build_gateway(fleet, apps, serve_url=serve_url, host=host, fetch_status=serve_status_fetcher(),
                         fetch_engine_metrics=ray_metrics_fetcher())
     app.state.gateway.health.refresh_from(await asyncio.to_thread(serve_status_fetcher()))
-    attach_peers(app, host, port, role="worker" if worker else "gateway")
+    attach_peers(app, host, port, role="worker" if worker else "gateway", period_s=fleet.gateway.peers_period_s)
     server = GatewayServer(app, fleet, sock)
     if not await server.start():
         progress(f"lmfleet: error: the gateway on {host}:{port} stopped at once")

@@ -153,7 +153,7 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
     app = build_gateway(fleet, apps, serve_url=serve_url, host=host,
                         fetch_status=serve_status_fetcher(), fetch_engine_metrics=ray_metrics_fetcher())
     health = app.state.gateway.health
-    attach_peers(app, host, port, role="serve")
+    attach_peers(app, host, port, role="serve", period_s=fleet.gateway.peers_period_s)
     try:
         sock = listen_socket(host, port, reuse_port=workers > 1)
     except OSError as e:
