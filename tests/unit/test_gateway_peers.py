@@ -285,3 +285,18 @@ async def test_peer_board_reports_and_applies_window_tokens():
     board.apply(call("report", board.entry()))
     assert sent[0]["models"]["a"]["window_tokens"] == 42
     assert meter._peer is not None and meter._peer[1] == 58
+
+
+@pytest.mark.parametrize("peer_in_flight, peer_at, base_sample", [
+    (None, None, True),   # alone: 1 of capacity 4 in flight, an unqueued request
+    (2, 10.0, True),      # 3 in flight in all: still a free slot
+    (4, 10.0, False),     # behind the other gateway's 4: it queued, its TTFT is not prefill time
+    (4, -5.0, True),      # a peer report older than engine_stats_ttl_s no longer counts
+])
+def test_a_request_queued_behind_other_gateways_is_not_a_base_ttft_sample(peer_in_flight, peer_at, base_sample):
+    tr = LoadTracker(4, window_s=30.0)
+    if peer_in_flight is not None:
+        tr.set_peer_load(peer_in_flight, 1.0, now=peer_at)
+    ticket = tr.on_start(now=10.0)
+    tr.on_first_token(ticket, now=10.5)
+    assert (tr._base_ttfts.median() == pytest.approx(0.5)) is base_sample

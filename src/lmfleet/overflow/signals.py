@@ -25,7 +25,7 @@ How the figures are measured
   window -- of all of them while the window holds no more than that.
 * **Base TTFT** (prefill time without queueing): median of the last ``base_samples`` TTFTs of
   requests that found a free slot when they started (their position, in-flight count including
-  themselves, was <= ``capacity``). It is not time-limited: under sustained overload no new
+  themselves and the other gateways' last reported in-flight, was <= ``capacity``). It is not time-limited: under sustained overload no new
   unqueued samples arrive, and the last ones known are the best guess.
 * **Engine stats** (optional): vLLM's ``num_requests_running`` / ``num_requests_waiting`` as last
   set by :meth:`LoadTracker.set_engine_stats`; reported only while younger than ``engine_stats_ttl_s``.
@@ -91,7 +91,7 @@ class Ticket:
 
     started_at: float
     position: int
-    """In-flight count at start, this request included (1 = the engine was idle)."""
+    """In-flight count at start, this request and the other gateways' included (1 = the engine was idle)."""
     prompt_tokens: int
 
 
@@ -175,7 +175,11 @@ class LoadTracker:
         if self._in_flight == 0:
             self._busy_since = t
         self._in_flight += 1
-        return Ticket(started_at=t, position=self._in_flight, prompt_tokens=prompt_tokens)
+        # its place in the queue every gateway feeds: a request behind the other gateways' is not an unqueued
+        # (base TTFT) sample even when this gateway alone holds fewer than capacity
+        peers = self._peers
+        ahead = peers[1] if peers is not None and t - peers[0] <= self.engine_stats_ttl_s else 0
+        return Ticket(started_at=t, position=self._in_flight + ahead, prompt_tokens=prompt_tokens)
 
     def on_first_token(self, ticket: Ticket, now: float | None = None, ttft_s: float | None = None) -> float:
         """The first streamed token arrived (skip for non-streamed requests). Returns the TTFT recorded."""
