@@ -1,133 +1,109 @@
-"""Per-request cost of a shared rate window (requests/minute) in the ledger's database, vs the spend store's
-reserve+release. Sliding-window record = two fixed-window rows per key; admission = one transaction:
-lock the key, read both rows, decide with lmfleet.tenants.RateWindow, upsert the current row.
+"""Per-admission cost of tenant limits shared through the spend store's database (docs/tenants.md, "Limits across
+gateway processes"), SQLite and PostgreSQL, against the real code: ``TenantBook.enter_blocking`` over
+``SharedLimits`` over ``SqliteSpendStore`` / ``PostgresSpendStore`` (one transaction: lock the tenant, read its
+slots in flight and both windows, decide with ``lmfleet.tenants.admit``, hold a slot and count the request).
 
-    .venv/bin/python benchmarks/bench_rate_store.py    # sqlite and postgres (embedded), 1 process then 2 processes
+    .venv/bin/python benchmarks/bench_rate_store.py [N]   # sqlite and postgres (embedded), 1 process then 2
+
+Runs, per backend:
+  * 1 process x N admissions of a tenant with max_concurrency + requests_per_minute (limits never reached), each
+    followed by its release written inline (the gateway writes releases on a background thread; timed apart);
+  * 2 processes x N admissions, requests_per_minute = N (the window is an hour, so no run crosses a boundary):
+    exactly N must be admitted;
+  * the spend store's reserve+release, for comparison.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
-import sqlite3
-import statistics
+import os
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO))
-from lmfleet.tenants import RateWindow  # noqa: E402
 
-WINDOW = 3600.0  # a long window so a run never crosses a boundary (the exactly-N check)
-DDL = ["CREATE TABLE IF NOT EXISTS rate_keys (key TEXT PRIMARY KEY)",
-       "CREATE TABLE IF NOT EXISTS rate_windows (key TEXT NOT NULL, window_start BIGINT NOT NULL, "
-       "n DOUBLE PRECISION NOT NULL, PRIMARY KEY (key, window_start))"]
+from lmfleet.config.tenants import TenantConfig, TenantLimits, default_priority_classes  # noqa: E402
+from lmfleet.overflow.store import Cap, PostgresSpendStore, SqliteSpendStore  # noqa: E402
+from lmfleet.tenants import TenantBook, TenantDirectory  # noqa: E402
+from lmfleet.tenants.shared import SharedLimits  # noqa: E402
 
-
-def _decide(rows, limit, now):
-    start = (now // WINDOW) * WINDOW
-    cur = next((n for ws, n in rows if ws == start), 0.0)
-    prev = next((n for ws, n in rows if ws == start - WINDOW), 0.0)
-    w = RateWindow(limit, WINDOW, start, cur, prev)
-    return w.allows(now), int(start)
+WINDOW_S = 3600.0
+CLASSES = default_priority_classes()
 
 
-def admit_sqlite(db, key, limit):
-    now = time.time()
-    start = int((now // WINDOW) * WINDOW)
-    db.execute("BEGIN IMMEDIATE")
-    rows = db.execute("SELECT window_start, n FROM rate_windows WHERE key=? AND window_start IN (?,?)",
-                      (key, start, start - int(WINDOW))).fetchall()
-    ok, start = _decide(rows, limit, now)
-    if ok:
-        db.execute("INSERT INTO rate_windows (key, window_start, n) VALUES (?,?,1) ON CONFLICT (key, window_start) "
-                   "DO UPDATE SET n = rate_windows.n + 1", (key, start))
-    db.execute("COMMIT")
-    return ok
+def _open(backend: str, where: str):
+    return SqliteSpendStore(where) if backend == "sqlite" else PostgresSpendStore(where)
 
 
-def admit_pg(conn, key, limit):
-    now = time.time()
-    start = int((now // WINDOW) * WINDOW)
-    with conn.transaction():
-        conn.execute("SELECT key FROM rate_keys WHERE key=%s FOR UPDATE", (key,))
-        rows = conn.execute("SELECT window_start, n FROM rate_windows WHERE key=%s AND window_start IN (%s,%s)",
-                            (key, start, start - int(WINDOW))).fetchall()
-        ok, start = _decide(rows, limit, now)
-        if ok:
-            conn.execute("INSERT INTO rate_windows (key, window_start, n) VALUES (%s,%s,1) ON CONFLICT "
-                         "(key, window_start) DO UPDATE SET n = rate_windows.n + 1", (key, start))
-    return ok
+def _book(store, name: str, limits: dict) -> tuple[TenantBook, object]:
+    cfg = TenantConfig(name=name, api_keys_env="K", limits=TenantLimits(**limits))
+    d = TenantDirectory.build([cfg], CLASSES, environ={"K": f"sk-{name}"})
+    return TenantBook(d, CLASSES, shared=SharedLimits(store, slot_ttl_s=660), window_s=WINDOW_S), d.resolve(f"sk-{name}")
 
 
-def connect(backend, where):
-    if backend == "sqlite":
-        db = sqlite3.connect(where, isolation_level=None, timeout=10)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        return db, admit_sqlite
-    import psycopg
-    return psycopg.connect(where, autocommit=True), admit_pg
+def _pct(xs: list[float]) -> str:
+    xs = sorted(xs)
+    return f"p50 {xs[len(xs) // 2] * 1e3:.3f} ms, p99 {xs[int(len(xs) * 0.99)] * 1e3:.3f} ms"
 
 
-def setup(backend, where, key):
-    db, _ = connect(backend, where)
-    for s in DDL:
-        db.execute(s)
-    db.execute("INSERT INTO rate_keys (key) VALUES (%s) ON CONFLICT DO NOTHING" if backend == "postgres"
-               else "INSERT OR IGNORE INTO rate_keys (key) VALUES (?)", (key,))
-    db.close()
-
-
-def worker(backend, where, key, limit, n, barrier, out):
-    db, admit = connect(backend, where)
+def _worker(backend, where, name, limits, n, release, barrier, out):
+    store = _open(backend, where)
+    book, tenant = _book(store, name, limits)
     barrier.wait()
-    lat, admitted = [], 0
+    adm, rel, admitted = [], [], 0
+    t0 = time.perf_counter()
     for _ in range(n):
         t = time.perf_counter()
-        admitted += admit(db, key, limit)
-        lat.append(time.perf_counter() - t)
-    out.put((admitted, lat))
+        _, ticket = book.enter_blocking(tenant, CLASSES[0], estimate_ms=0, threshold_ms=1000, provider_ok=False)
+        adm.append(time.perf_counter() - t)
+        if ticket is not None:
+            admitted += 1
+            if release:
+                t = time.perf_counter()
+                store.release_tenant(ticket.slot)
+                rel.append(time.perf_counter() - t)
+    out.put((admitted, adm, rel, time.perf_counter() - t0))
+    store.close()
 
 
-def run(backend, where, procs, n, limit):
-    key = f"tenant:{uuid.uuid4().hex[:8]}:rpm"
-    setup(backend, where, key)
+def run(backend, where, procs, n, limits, release):
+    name = f"t{os.getpid()}{time.monotonic_ns() % 10**6}"
+    _open(backend, where).close()  # schema first
     barrier, out = mp.Barrier(procs), mp.Queue()
-    ps = [mp.Process(target=worker, args=(backend, where, key, limit, n, barrier, out)) for _ in range(procs)]
-    t0 = time.perf_counter()
+    ps = [mp.Process(target=_worker, args=(backend, where, name, limits, n, release, barrier, out))
+          for _ in range(procs)]
     for p in ps:
         p.start()
     res = [out.get() for _ in ps]
     for p in ps:
         p.join()
-    wall = time.perf_counter() - t0
-    lat = sorted(x for _, l in res for x in l)
-    admitted = sum(a for a, _ in res)
-    p50, p99 = lat[len(lat) // 2] * 1e3, lat[int(len(lat) * 0.99)] * 1e3
-    print(f"{backend:8s} rate window  {procs} proc x {n}: admitted {admitted} (limit {limit}), "
-          f"p50 {p50:.3f} ms, p99 {p99:.3f} ms, {procs * n / wall:.0f} admissions/s")
+    admitted = sum(r[0] for r in res)
+    wall = max(r[3] for r in res)
+    line = (f"{backend:8s} {procs} proc x {n} {limits}: admitted {admitted}; admission {_pct([x for r in res for x in r[1]])};"
+            f" {procs * n / wall:.0f} admissions/s")
+    if release:
+        line += f"; release {_pct([x for r in res for x in r[2]])}"
+    print(line, flush=True)
 
 
 def spend_store(backend, where, n):
-    from lmfleet.overflow.store import Cap, PostgresSpendStore, SqliteSpendStore
-    store = SqliteSpendStore(where) if backend == "sqlite" else PostgresSpendStore(where)
-    caps = [Cap("tenant:x:inflight", 3600, 10**9)]
+    store = _open(backend, where)
+    caps = [Cap("tenant:x", 3600, 10**9)]
     lat = []
     for i in range(n):
         t = time.perf_counter()
-        r = store.reserve(str(i), 1, caps)
-        store.release(r)
+        store.release(store.reserve(str(i), 1, caps))
         lat.append(time.perf_counter() - t)
-    lat.sort()
-    print(f"{backend:8s} spend store reserve+release 1 proc x {n}: p50 {lat[n // 2] * 1e3:.3f} ms, "
-          f"p99 {lat[int(n * 0.99)] * 1e3:.3f} ms")
+    print(f"{backend:8s} spend store reserve+release 1 proc x {n}: {_pct(lat)}", flush=True)
     store.close()
 
 
 if __name__ == "__main__":
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {os.cpu_count()} CPUs, load average {os.getloadavg()}")
     tmp = tempfile.mkdtemp()
     targets = [("sqlite", f"{tmp}/ledger.sqlite")]
     server = None
@@ -135,13 +111,14 @@ if __name__ == "__main__":
         from tests.support.pg_server import PgServer
         server = PgServer.start()
         targets.append(("postgres", server.url))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 -- the bench runs without PostgreSQL too
         print("postgres skipped:", e)
     try:
         for backend, where in targets:
-            run(backend, where, 1, 3000, 10**9)
-            run(backend, where, 2, 2000, 2500)
-            spend_store(backend, where if backend == "postgres" else f"{tmp}/spend.sqlite", 2000)
+            run(backend, where, 1, n, {"max_concurrency": 10**6, "requests_per_minute": 10**9}, release=True)
+            run(backend, where, 2, n, {"requests_per_minute": n}, release=False)
+            spend_store(backend, where, n)
     finally:
         if server is not None:
             server.destroy()
+    print(f"load average after: {os.getloadavg()}")

@@ -17,7 +17,7 @@ import pytest
 from lmfleet.config import parse_config
 from lmfleet.gateway.access import GatewayConfigError
 from lmfleet.gateway.build import check_gateway_access
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
+from tests.unit.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, stream_response
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 KEYS = {"a": "sk-tenant-a-3f9c2e", "b": "sk-tenant-b-77d01a"}
@@ -535,3 +535,66 @@ async def test_a_tenant_spend_cap_is_exact_and_leaves_the_others_alone(tmp_path)
     paid_a = [r for r in rows if r["tenant"] == "a" and r["served_by"] == "provider/p"]
     assert len(paid_a) == 3 and sum(r["cost_usd"] for r in paid_a) <= 3.5 * worst_usd
     assert sorted({r["tenant"] for r in rows}) == ["a", "b"] and len(rows) == 16
+
+
+# ---- limits across gateway processes (the shared store) ----------------------------------------------------
+async def test_two_gateways_of_a_two_worker_fleet_share_a_tenants_concurrency_limit(tmp_path):
+    """``gateway.workers: 2``: two gateways (as two worker processes build them, each its own store) on one ledger
+    file; tenant a
+    (``max_concurrency: 2``) sends 3 held requests to each at once -> exactly 2 run, 4 get 429; once they end,
+    the slots are free in both."""
+    release = threading.Event()
+    gateway = {"admin_key_env": ADMIN_KEY_ENV, "allowed_hosts": ["gw"], "workers": 2}
+    apps = [_worker_gateway(tmp_path, release, gateway) for _ in range(2)]
+    books = [app.state.gateway.router.tenants for app in apps]
+    assert all(b.shared is not None for b in books)
+    clients = [await _client(app) for app in apps]
+    held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
+    tasks = [asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("a")))
+             for c in clients for _ in range(3)]
+    await _until(lambda: sum(t.done() for t in tasks) == 4)
+    refused = [t.result() for t in tasks if t.done()]
+    assert all(_error(r, 429)["code"] == "concurrency_limit_exceeded" for r in refused)
+    assert sum(b.in_flight["a"] for b in books) == 2
+    release.set()
+    answers = await asyncio.gather(*(t for t in tasks if not t.done()))
+    assert [r.status_code for r in answers] == [200, 200]
+    for b in books:
+        await asyncio.to_thread(b.shared.drain)
+    assert books[0].shared.store.tenant_counts("tenant:a:rate", now=books[0].clock(), window_s=60).in_flight == 0
+    for c in clients:
+        assert (await c.post("/v1/chat/completions", json=CHAT, headers=key("a"))).status_code == 200
+
+
+def _worker_gateway(tmp_path, release: threading.Event, gateway: dict):
+    """One of the gateways of a fleet with ``gateway`` (workers: 2): tenant a, ``max_concurrency: 2``."""
+    path = tmp_path / "a.keys"
+    path.write_text(f"{KEYS['a']}\n")
+    tenants = [{"name": "a", "api_keys_file": str(path), "limits": {"max_concurrency": 2}}]
+    return make_gateway(tmp_path, _held_local(release, "ok"),
+                        extra={"tenants": tenants, "priority_classes": CLASSES, "gateway": gateway})
+
+
+@pytest.mark.parametrize("workers, limits, budget, shared", [
+    (1, {"max_concurrency": 2}, False, False),   # one process: in memory, no database on the path
+    (2, {"max_concurrency": 2}, False, True),    # several: the store is opened for the limits alone
+    (2, {"requests_per_minute": 5}, True, True),  # ... or the budget's store is reused
+    (2, {"hourly_usd": 1.0}, False, False),      # a spend cap is not a rate limit (its own reservations)
+    (2, {}, False, False),
+])
+def test_limits_are_shared_only_when_there_are_several_processes_to_share_them(tmp_path, workers, limits, budget,
+                                                                               shared):
+    path = tmp_path / "a.keys"
+    path.write_text(f"{KEYS['a']}\n")
+    extra = {"tenants": [{"name": "a", "api_keys_file": str(path), "limits": limits}], "priority_classes": CLASSES,
+             "gateway": {"admin_key_env": ADMIN_KEY_ENV, "allowed_hosts": ["gw"], "workers": workers}}
+    if budget:
+        extra["budget"] = {"hourly_usd": 5}
+    gw = make_gateway(tmp_path, ok_local, extra=extra).state.gateway
+    book = gw.router.tenants
+    assert (book.shared is not None) is shared
+    if shared:
+        assert book.shared.workers == workers and book.shared.slot_ttl_s == 10 + 5 + 60  # timeout + batch wait
+        assert gw.recorder.store is book.shared.store  # closed with the ledger at shutdown
+        if budget:
+            assert gw.router.guard.store is book.shared.store

@@ -18,6 +18,7 @@ from lmfleet.gateway.build import check_ledger, preflight
 from lmfleet.overflow.ledger import Ledger, PostgresLedger, open_ledger
 from lmfleet.overflow.store import SpendStoreError, SqliteSpendStore, StoreUnavailable, UsageRecord
 from lmfleet.overflow.store.postgres import MIGRATIONS as PG_MIGRATIONS
+from lmfleet.overflow.store.sqlite import MIGRATIONS as SQLITE_MIGRATIONS
 from lmfleet.overflow.store.postgres import PostgresSpendStore
 from tests.support.pg_server import PgUnavailable
 from tests.support.pg_shared import fresh_database, shared_pg_server
@@ -85,7 +86,7 @@ def test_old_sqlite_file_gains_the_tenant_column(tmp_path, store_first, old_stor
             ("provider/acme", None, 5000), ("local/m", "acme", 7)]
         assert {r.name: r.requests for r in led.summary(by="tenant")} == {"default": 1, "acme": 1}
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT MAX(version) FROM lmfleet_schema").fetchone() == (2,)
+        assert db.execute("SELECT MAX(version) FROM lmfleet_schema").fetchone() == (max(SQLITE_MIGRATIONS),)
 
 
 def test_old_postgres_database_gains_the_tenant_column(pg_server):

@@ -48,6 +48,7 @@ from lmfleet.overflow.ledger import describe as describe_ledger
 from lmfleet.overflow.estimator import local_capacity
 from lmfleet.tenants import TenantBook, TenantDirectory, TenantKeyError
 from lmfleet.tenants.queue import DispatchQueue
+from lmfleet.tenants.shared import SharedLimits
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -141,6 +142,29 @@ def _queue_slots(app: ModelApp) -> int:
     return max(app.capacity, local_capacity(app.cfg, auto.max_replicas)) if auto is not None else app.capacity
 
 
+def _shared_tenant_limits(fleet: FleetConfig, apps: list[ModelApp], store: SpendStore | None,
+                          environ: Mapping[str, str]) -> SharedLimits | None:
+    """Tenant rate/concurrency limits shared through the spend store's database (docs/tenants.md), when there is
+    something to share: a tenant with such a limit and several gateway processes (``gateway.workers``) or nodes
+    (``ledger.url``). One process alone keeps them in memory (no database call on its path). ``store``: the spend
+    store already open (None: one is opened here)."""
+    limited = any(t.limits.requests_per_minute or t.limits.tokens_per_minute or t.limits.max_concurrency
+                  for t in fleet.tenants)
+    if not limited or (fleet.gateway.workers == 1 and fleet.ledger.url is None):
+        return None
+    if store is None:
+        try:
+            store = open_spend_store(fleet.ledger, environ=environ)
+        except SpendStoreError as e:  # unreachable at start: like the ledger, fail the start (one line)
+            if isinstance(e, StoreUnavailable):
+                raise
+            raise GatewayConfigError(f"ledger: {e}") from None
+    # a slot counts no longer than its request can live: the longest wait in the local queue plus the timeout
+    longest_s = (max((a.cfg.deployment.request_timeout_s for a in apps), default=600.0)
+                 + max((c.max_wait_s or 0.0 for c in fleet.priority_classes), default=0.0))
+    return SharedLimits(store, slot_ttl_s=longest_s + 60.0, workers=fleet.gateway.workers)  # type: ignore[arg-type]
+
+
 def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, host: str | None = None,
                   environ: Mapping[str, str] | None = None,
                   fetch_status: Callable[[], dict[str, Any]] | None = None,
@@ -189,7 +213,10 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
         engine_stats = EngineStatsPoller({n: m.local.tracker for n, m in models.items()}, fetch_engine_metrics,
                                          fleet.gateway.engine_metrics_poll_s)
     admin_key = environ.get(fleet.gateway.admin_key_env) if fleet.gateway.admin_key_env else None
-    book = TenantBook(tenants, fleet.priority_classes)
+    shared = _shared_tenant_limits(fleet, apps, store, environ)
+    if shared is not None and recorder.store is None:
+        recorder.store = shared.store  # opened for the tenant limits alone: closed with the ledger at shutdown
+    book = TenantBook(tenants, fleet.priority_classes, shared=shared)
     gw = Gateway(router=Router(models, fleet.budget, ledger, metrics, guard=budget, tenants=book),
                  recorder=recorder, health=health, metrics=metrics, providers=providers,
                  clients=[local_client, *(p.client for p in providers.values())],

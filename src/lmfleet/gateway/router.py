@@ -235,23 +235,28 @@ class Router:
         reason: Reason | AdmissionReason = (Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider
                                             else d.reason)
         if tenant is not None and cls is not None and self.tenants is not None:
-            plan = self._admit(m, tenant, cls, prompt_tokens, d, reason, estimate, budget, store_down, local_down)
+            plan = await self._admit(m, tenant, cls, prompt_tokens, d, reason, estimate, budget, store_down,
+                                     local_down)
             caps = self.tenant_caps.get(tenant.name)
             return dataclasses.replace(plan, spend_caps=caps) if caps else plan
         self._child(self.metrics.overflowed, m.name, d.target, reason.value).inc()
         return self._plan(m, d, reason, estimate, budget, store_down)
 
-    def _admit(self, m: ServedModel, tenant: Tenant, cls: PriorityClass, prompt_tokens: int, d: RouteDecision,
-               reason: Reason | AdmissionReason, estimate: float, budget: BudgetStatus | None, store_down: bool,
-               local_down: bool) -> Plan:
+    async def _admit(self, m: ServedModel, tenant: Tenant, cls: PriorityClass, prompt_tokens: int, d: RouteDecision,
+                     reason: Reason | AdmissionReason, estimate: float, budget: BudgetStatus | None, store_down: bool,
+                     local_down: bool) -> Plan:
         """Today's decision ``d`` under the tenant's admission: its limits (429), and for a class with a local
-        deadline: local while within it, a paid provider only when the tenant allows it, else 429."""
+        deadline: local while within it, a paid provider only when the tenant allows it, else 429. Admission and
+        counting are one step (:meth:`TenantBook.enter`: one transaction when the limits are shared)."""
         book = self.tenants
         assert book is not None
         headers = self._class_headers[cls.name]
+        ticket: Ticket | None = None
         if book.is_limited(tenant) or cls.max_wait_s is not None:
-            a = book.admit(tenant, cls, estimate_ms=estimate, threshold_ms=m.threshold_ms,
-                           provider_ok=d.is_provider, prompt_tokens=prompt_tokens)
+            # an interactive request that decide() rejects is refused by _plan: checked, not counted
+            a, ticket = await book.enter(tenant, cls, estimate_ms=estimate, threshold_ms=m.threshold_ms,
+                                         provider_ok=d.is_provider, prompt_tokens=prompt_tokens,
+                                         take=not (d.is_reject and cls.max_wait_s is None))
             if a.outcome is Outcome.REJECT:
                 self._child(self.metrics.overflowed, m.name, "reject", a.reason.value).inc()
                 self._child(self.metrics.tenant_rejected, tenant.name, a.reason.value).inc()
@@ -267,9 +272,9 @@ class Router:
                 why = AdmissionReason.WITHIN_DEADLINE if d.is_provider or d.is_reject else reason
                 self._child(self.metrics.overflowed, m.name, "local", why.value).inc()
                 fallbacks = self._fallbacks(m, None, budget, store_down) if tenant.batch_may_use_providers else []
-                return Plan([m.local, *fallbacks], why, estimate, book.take(tenant), headers, cls)
+                return Plan([m.local, *fallbacks], why, estimate, ticket, headers, cls)
         self._child(self.metrics.overflowed, m.name, d.target, reason.value).inc()
-        return self._plan(m, d, reason, estimate, budget, store_down, tenant, headers, cls)
+        return self._plan(m, d, reason, estimate, budget, store_down, tenant, headers, cls, ticket)
 
     def _fallbacks(self, m: ServedModel, chosen: str | None, budget: BudgetStatus | None,
                    store_down: bool) -> list[Backend]:
@@ -279,17 +284,22 @@ class Router:
 
     def _plan(self, m: ServedModel, d: RouteDecision, reason: Reason | AdmissionReason, estimate: float,
               budget: BudgetStatus | None, store_down: bool, tenant: Tenant | None = None,
-              headers: Mapping[str, str] = _NO_HEADERS, cls: PriorityClass | None = None) -> Plan:
+              headers: Mapping[str, str] = _NO_HEADERS, cls: PriorityClass | None = None,
+              ticket: Ticket | None = None) -> Plan:
         """The backends of decision ``d``: the chosen one first, then the fallbacks (429 for a reject); the
-        tenant's request is counted (``ticket``) only once it cannot be refused any more."""
+        tenant's request is counted (``ticket``, unless admission counted it already) only once it cannot be
+        refused any more."""
         if d.is_reject:
+            if ticket is not None:  # not reached (_admit counts no such request); never leak a slot
+                ticket.release()
             why = ("The budget store cannot be reached, so paid providers are closed,"
                    if d.reason is Reason.BUDGET_STORE_DOWN else "External spending budget exhausted")
             raise GatewayError(429, f"{why} and the local queue for {m.name!r} is "
                                f"full (predicted wait {estimate:.0f} ms). Retry later.", code="budget_exhausted",
                                headers={"retry-after": str(max(1, int(d.retry_after_s or 60)))})
         fallbacks = self._fallbacks(m, d.target, budget, store_down)
-        ticket = self.tenants.take(tenant) if tenant is not None and self.tenants is not None else None
+        if ticket is None and tenant is not None and self.tenants is not None:
+            ticket = self.tenants.take(tenant)
         if d.is_provider:
             chosen = next(p for p in m.providers if p.name == d.target)
             return Plan([chosen, *fallbacks, m.local], reason, estimate, ticket, headers, cls)

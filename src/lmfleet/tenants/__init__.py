@@ -4,10 +4,13 @@
     window.py      RateWindow: a sliding-window counter, O(1) per request (requests and tokens per minute)
     admission.py   requested_class() from the x-lmfleet-priority header; admit(): local now / local wait /
                    provider / 429 with OpenAI's rate-limit headers
-    book.py        TenantBook: one process's live usage (rate windows, in flight); Ticket per admitted request
+    book.py        TenantBook: live usage (rate windows, in flight); Ticket per admitted request; with a
+                   shared store, admission and counting in one transaction across processes and nodes
+    shared.py      SharedLimits: the spend store's database as that shared store; fails open to limit/workers
     fairness.py    next_to_dispatch(): classes strictly, tenants least-recently-served, FIFO within a tenant
 
-All pure: no I/O beyond reading key sources in ``TenantDirectory.build``. The config models are in
+All pure but ``shared.py`` (the database, through the spend store) and reading key sources in
+``TenantDirectory.build``. The config models are in
 ``lmfleet.config.tenants``; how the gateway will call these is in docs/tenants.md.
 """
 

@@ -3,6 +3,7 @@
     decision.py   pure: a request's worst-case cost, caps (key, window, cap), fit and retry-after
     base.py       the SpendStore protocol, its records, its errors
     _sql.py       the store over SQL (reservations, settled buckets, ledger rows in one database)
+    _rate.py      tenants' slots in flight and rate windows in the same database (``admit_tenant``)
     sqlite.py     one node, several processes (the embedded default; the ledger's SQLite file)
     postgres.py   several nodes (``ledger.url: postgresql://...``); its ``PgDatabase`` also serves the ledger
 

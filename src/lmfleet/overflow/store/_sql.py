@@ -8,6 +8,7 @@ Tables (one database, beside the ledger's ``requests`` rows)::
                    settled spend per key in ``bucket_s`` buckets (see decision.py for the window rule)
     requests       the ledger's rows, exactly as ``overflow.ledger`` (``Ledger``, ``PostgresLedger``) writes and
                    reads them; ``tenant`` (NULL: none known) since schema version 2
+    tenant_slots, rate_windows   tenants' requests in flight and rate windows (schema version 3; ``_rate.py``)
 
 Every reservation runs in one transaction that first locks its keys (SQLite: ``BEGIN IMMEDIATE``, the database's single writer lock; PostgreSQL: ``SELECT
 ... FOR UPDATE`` on one ``budget_keys`` row per key, in key order so two requests never deadlock), so
@@ -30,6 +31,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from lmfleet.overflow.store._rate import TenantCounters
 from lmfleet.overflow.store.base import Reservation, Spend, StoreUnavailable, UsageRecord
 from lmfleet.overflow.store.decision import GLOBAL, Cap, Refusal, caps_exceeded, retry_after_s
 
@@ -55,8 +57,9 @@ def _ledger_insert(q: Query, record: UsageRecord, cost_nusd: int, ts: float) -> 
        record.latency_ms, record.ttft_ms, str(record.status), cost_nusd, record.tenant))
 
 
-class SqlSpendStore:
-    """``SpendStore`` over a SQL database; a backend provides ``_transaction(keys)`` and the schema."""
+class SqlSpendStore(TenantCounters):
+    """``SpendStore`` over a SQL database; a backend provides ``_transaction(keys)`` and the schema. Also the
+    tenants' shared rate and concurrency counters (:class:`TenantCounters`)."""
 
     def __init__(self, *, ttl_s: float, bucket_s: int, retain_s: float, clock: Callable[[], float]) -> None:
         if ttl_s <= 0 or bucket_s < 1 or retain_s <= 0:
