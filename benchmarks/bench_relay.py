@@ -339,7 +339,89 @@ async def run_load_openai(url: str, model: str, concurrency: int, duration_s: fl
     return res
 
 
-LOADERS = {"raw": run_load, "openai": run_load_openai}
+async def run_load_http_lib(url: str, model: str, concurrency: int, duration_s: float, max_tokens: int,
+                            lib: str) -> PhaseResult:
+    """The same load through a general HTTP client library (``httpx``: what the issue's first figures used, 660
+    req/s direct; ``aiohttp``: what load generators and many services use), one keep-alive connection per user,
+    SSE lines read as they come."""
+    res = PhaseResult()
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
+            "max_tokens": max_tokens, "stream": True}
+    headers = {"authorization": "Bearer bench"}
+    endpoint = f"{url}/v1/chat/completions"
+
+    def account(t0: float, ttft: float | None, events: int, ok: bool) -> None:
+        if not ok or not events:
+            res.errors += 1
+            return
+        res.requests += 1
+        res.events += events
+        res.tokens += events
+        res.ttfts.append(ttft or 0.0)
+
+    if lib == "httpx":
+        import httpx
+
+        client = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency,
+                                                                   max_keepalive_connections=concurrency))
+
+        async def one() -> None:
+            t0, ttft, events = time.perf_counter(), None, 0
+            try:
+                async with client.stream("POST", endpoint, json=body, headers=headers) as r:
+                    ok = r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            events += 1
+                            if ttft is None:
+                                ttft = time.perf_counter() - t0
+            except httpx.HTTPError:
+                ok = False
+            account(t0, ttft, events, ok)
+
+        close = client.aclose
+    else:
+        import aiohttp
+
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
+                                        timeout=aiohttp.ClientTimeout(total=60))
+
+        async def one() -> None:
+            t0, ttft, events = time.perf_counter(), None, 0
+            try:
+                async with session.post(endpoint, json=body, headers=headers) as r:
+                    ok = r.status == 200
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            events += 1
+                            if ttft is None:
+                                ttft = time.perf_counter() - t0
+            except aiohttp.ClientError:
+                ok = False
+            account(t0, ttft, events, ok)
+
+        close = session.close
+
+    async def worker(deadline: float) -> None:
+        while time.perf_counter() < deadline:
+            await one()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(t0 + duration_s) for _ in range(concurrency)))
+    res.wall_s = time.perf_counter() - t0
+    await close()
+    return res
+
+
+async def run_load_httpx(url: str, model: str, concurrency: int, duration_s: float, max_tokens: int) -> PhaseResult:
+    return await run_load_http_lib(url, model, concurrency, duration_s, max_tokens, "httpx")
+
+
+async def run_load_aiohttp(url: str, model: str, concurrency: int, duration_s: float, max_tokens: int) -> PhaseResult:
+    return await run_load_http_lib(url, model, concurrency, duration_s, max_tokens, "aiohttp")
+
+
+LOADERS = {"raw": run_load, "openai": run_load_openai, "httpx": run_load_httpx, "aiohttp": run_load_aiohttp}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,8 +509,9 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="cProfile the first variant's gateway into this file")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     ap.add_argument("--client", choices=sorted(LOADERS), default="raw",
-                    help="load generator: raw asyncio (cheapest; measures the relay's own ceiling) or the official "
-                         "openai client (what applications send with; it bounds 'direct' at this machine's 2 cores)")
+                    help="load generator: raw asyncio (cheapest; measures the relay's own ceiling), the official "
+                         "openai client (what applications send with; it bounds 'direct' at this machine's 2 cores), "
+                         "or a plain httpx / aiohttp client (the issue's first figures used httpx)")
     # child-process mode
     ap.add_argument("--serve-gateway", help=argparse.SUPPRESS)
     ap.add_argument("--fake-url", help=argparse.SUPPRESS)

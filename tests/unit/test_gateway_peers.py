@@ -300,3 +300,46 @@ def test_a_request_queued_behind_other_gateways_is_not_a_base_ttft_sample(peer_i
     ticket = tr.on_start(now=10.0)
     tr.on_first_token(ticket, now=10.5)
     assert (tr._base_ttfts.median() == pytest.approx(0.5)) is base_sample
+
+
+class _Route:
+    """The part of the router's ServedModel that PeerBoard touches."""
+
+    def __init__(self, overflowing: bool = False):
+        from lmfleet.overflow.policy import HysteresisState
+
+        self.hysteresis = HysteresisState(overflowing)
+        self.flags: list[tuple[bool, float]] = []
+
+    def set_peers_overflowing(self, flag: bool, now: float) -> None:
+        self.flags.append((flag, now))
+
+
+def test_peer_board_shares_the_overflowing_flag():
+    call = FakeRegistry()
+    clock = [50.0]
+    ra, rb = _Route(overflowing=True), _Route(overflowing=False)
+    a = PeerBoard({"m": LoadTracker(4)}, host="127.0.0.1", port=1, call=call, routes={"m": ra}, clock=lambda: clock[0])
+    b = PeerBoard({"m": LoadTracker(4)}, host="127.0.0.1", port=1, call=call, routes={"m": rb}, clock=lambda: clock[0])
+    assert a.entry()["models"]["m"]["overflowing"] is True
+    a.apply(call("report", a.entry()))
+    b.apply(call("report", b.entry()))
+    a.apply(call("report", a.entry()))
+    assert rb.flags[-1] == (True, 50.0)   # b learns that a overflows
+    assert ra.flags[-1] == (False, 50.0)  # a learns that b does not
+    ra.hysteresis = type(ra.hysteresis)(False)
+    a.apply(call("report", a.entry()))
+    b.apply(call("report", b.entry()))
+    assert rb.flags[-1] == (False, 50.0)
+
+
+def test_served_model_forgets_a_stale_peer_flag():
+    from lmfleet.gateway.router import ServedModel
+
+    m = ServedModel.__new__(ServedModel)
+    m._peers_overflowing = (0.0, False)
+    m.set_peers_overflowing(True, 100.0)
+    assert m.peers_overflowing(now=101.0)
+    assert not m.peers_overflowing(now=100.0 + ServedModel.PEERS_OVERFLOWING_TTL_S + 0.1)
+    m.set_peers_overflowing(False, 103.0)
+    assert not m.peers_overflowing(now=103.0)

@@ -79,6 +79,37 @@ def test_state_sequence_does_not_flap():
     assert targets == ["local", "a", "a", "a", "a", "local", "local", "a"]
 
 
+@pytest.mark.parametrize(
+    "estimate, own, peers, target, next_over",
+    [
+        # inside the band (2000 < est <= 2500): a peer overflowing lowers this gateway's bar too
+        (2200, False, True, "a", True),
+        (2200, False, False, "local", False),
+        (2200, True, False, "a", True),
+        # below the band: nobody's state keeps the route open
+        (1900, False, True, "local", False),
+        (1900, True, True, "local", False),
+        # above the threshold: pressure either way
+        (2600, False, False, "a", True),
+        (2600, False, True, "a", True),
+    ],
+)
+def test_peers_share_the_hysteresis_band(estimate, own, peers, target, next_over):
+    d = decide(model="m", estimate_ms=estimate, threshold_ms=2500, hysteresis=0.2, state=HysteresisState(own),
+               candidates=[A], peers_overflowing=peers)
+    assert (d.target, d.state.overflowing) == (target, next_over)
+
+
+def test_two_gateways_in_the_band_route_alike():
+    """Gateway a entered the band from above (overflowing), b from below: with the shared flag both overflow."""
+    a, b = HysteresisState(True), HysteresisState(False)
+    da = decide(model="m", estimate_ms=2300, threshold_ms=2500, hysteresis=0.2, state=a, candidates=[A],
+                peers_overflowing=b.overflowing)
+    db = decide(model="m", estimate_ms=2300, threshold_ms=2500, hysteresis=0.2, state=b, candidates=[A],
+                peers_overflowing=a.overflowing)
+    assert da.target == db.target == "a"
+
+
 @pytest.mark.parametrize("target, local, reject, provider",
                          [("local", True, False, False), ("reject", False, True, False), ("a", False, False, True)])
 def test_decision_helpers(target, local, reject, provider):

@@ -47,6 +47,8 @@ class PeerLoad:
     drain_rps: float
     window_tokens: int = 0
     """Output tokens the others served locally in their cost meters' windows (their share of the local cost)."""
+    overflowing: bool = False
+    """Some other gateway is overflowing the model (in its hysteresis band): this one's bar is the lower one too."""
 
 
 def peer_loads(entries: list[dict[str, Any]], self_id: str, now: float, fresh_s: float = FRESH_S
@@ -57,11 +59,12 @@ def peer_loads(entries: list[dict[str, Any]], self_id: str, now: float, fresh_s:
         if e.get("id") == self_id or now - float(e.get("last_seen", 0.0)) > fresh_s:
             continue
         for model, load in (e.get("models") or {}).items():
-            acc = out.setdefault(model, [0, 0.0, 0])
+            acc = out.setdefault(model, [0, 0.0, 0, 0])
             acc[0] += int(load.get("in_flight", 0))
             acc[1] += float(load.get("drain_rps") or 0.0)
             acc[2] += int(load.get("window_tokens") or 0)
-    return {m: PeerLoad(int(n), d, int(k)) for m, (n, d, k) in out.items()}
+            acc[3] += 1 if load.get("overflowing") else 0
+    return {m: PeerLoad(int(n), d, int(k), bool(o)) for m, (n, d, k, o) in out.items()}
 
 
 class GatewayRegistry:
@@ -160,11 +163,15 @@ class PeerBoard:
     def __init__(self, trackers: Mapping[str, LoadTracker], *, host: str, port: int, role: str = "gateway",
                  period_s: float = 0.25, call: Callable[[str, Any], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 meters: Mapping[str, LocalCostMeter] | None = None) -> None:
+                 meters: Mapping[str, LocalCostMeter] | None = None,
+                 routes: Mapping[str, Any] | None = None) -> None:
         self.id = f"{node_address()}:{port}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.trackers = trackers
         self.meters = meters or {}
         """Each model's local cost meter: its window tokens are reported, the others' counted with its own."""
+        self.routes = routes or {}
+        """Each model's routing state (the router's ``ServedModel``: ``.hysteresis.overflowing`` is reported, the
+        others' flag goes to ``.set_peers_overflowing(flag, now)``), so all gateways share one hysteresis band."""
         self.host, self.port, self.role = host, port, role
         self.period_s = period_s
         self.started_at = time.time()
@@ -180,6 +187,9 @@ class PeerBoard:
             meter = self.meters.get(name)
             if meter is not None:
                 models[name]["window_tokens"] = meter.window_tokens()
+            route = self.routes.get(name)
+            if route is not None:
+                models[name]["overflowing"] = bool(route.hysteresis.overflowing)
         return {"id": self.id, "role": self.role, "node": node_address(), "host": self.host, "port": self.port,
                 "pid": os.getpid(), "started_at": self.started_at, "models": models}
 
@@ -191,6 +201,9 @@ class PeerBoard:
             meter = self.meters.get(name)
             if meter is not None:
                 meter.set_peer_tokens(load.window_tokens)
+        for name, route in self.routes.items():
+            load = loads.get(name)
+            route.set_peers_overflowing(load is not None and load.overflowing, self._clock())
 
     async def run(self) -> None:
         failures = 0

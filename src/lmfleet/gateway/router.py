@@ -68,6 +68,19 @@ class ServedModel:
     last_estimate_ms: float = 0.0
     queue: DispatchQueue | None = None
     """The priority queue in front of its local slots (None: no tenants configured; Serve's FIFO queue only)."""
+    _peers_overflowing: tuple[float, bool] = field(default=(0.0, False), repr=False)
+
+    PEERS_OVERFLOWING_TTL_S = 2.0
+    """A peer's overflowing flag older than this (the registry stopped answering) no longer counts."""
+
+    def set_peers_overflowing(self, flag: bool, now: float) -> None:
+        """Another gateway of the fleet reports this model overflowing (:class:`lmfleet.gateway.peers.PeerBoard`;
+        ``now`` on the monotonic clock)."""
+        self._peers_overflowing = (now, flag)
+
+    def peers_overflowing(self, now: float | None = None) -> bool:
+        at, flag = self._peers_overflowing
+        return flag and (time.monotonic() if now is None else now) - at <= self.PEERS_OVERFLOWING_TTL_S
     _template_overhead: int | None = field(default=None, repr=False)
 
     @property
@@ -230,7 +243,7 @@ class Router:
         d = decide(model=m.name, estimate_ms=estimate, threshold_ms=m.threshold_ms, hysteresis=o.hysteresis,
                    state=m.hysteresis, mode=mode, enabled=o.enabled or m.mode is OverflowMode.FORCE_ON,
                    budget=budget, on_exhausted=self.budget.on_exhausted, candidates=candidates,
-                   store_down=store_down)
+                   store_down=store_down, peers_overflowing=m.peers_overflowing())
         m.hysteresis = d.state
         reason: Reason | AdmissionReason = (Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider
                                             else d.reason)

@@ -19,6 +19,12 @@ around the threshold. The caller owns the state: it passes the model's current
 :class:`HysteresisState` and stores ``decision.state`` for the next request. The state follows
 pressure only (a forced mode resets it), so a budget or provider outage does not reset it.
 
+Several gateways: ``peers_overflowing`` says another gateway of the fleet is overflowing this model (as it
+last reported). Its bar is then the lower one too, so N gateways that share one queue estimate also share one
+hysteresis band: without it, one gateway inside the band keeps overflowing while another, having entered the
+band from below, keeps sending local, and together they let the queue grow past where one gateway would stop.
+Only this gateway's own pressure becomes its next state, so the shared band cannot keep itself alive.
+
 A budget store that is down (the spend ledger cannot be written) is treated as a spent budget: no paid
 request may start while its cost cannot be held, so the provider route is closed until it answers.
 """
@@ -132,6 +138,7 @@ def decide(
     on_exhausted: str = "queue",
     candidates: Sequence[ProviderCandidate] = (),
     store_down: bool = False,
+    peers_overflowing: bool = False,
 ) -> RouteDecision:
     """Route one request of ``model`` (see the module docstring for the rules). ``store_down``: the budget
     store cannot hold a reservation now (``BudgetGuard.is_down``)."""
@@ -139,7 +146,7 @@ def decide(
         reason = Reason.FORCED_LOCAL if mode is OverflowMode.FORCE_OFF else Reason.OVERFLOW_DISABLED
         return RouteDecision(LOCAL, reason, HysteresisState(False), estimate_ms=estimate_ms)
 
-    bar = threshold_ms * (1.0 - hysteresis) if state.overflowing else threshold_ms
+    bar = threshold_ms * (1.0 - hysteresis) if (state.overflowing or peers_overflowing) else threshold_ms
     pressure = estimate_ms > bar
     next_state = HysteresisState(pressure)
     if mode is OverflowMode.AUTO and not pressure:

@@ -120,7 +120,8 @@ def attach_peers(app: Any, host: str, port: int, role: str, period_s: float = 0.
 
     gw = app.state.gateway
     gw.peers = PeerBoard({n: m.local.tracker for n, m in gw.models.items()}, host=host, port=port, role=role,
-                         meters={n: m.local.meter for n, m in gw.models.items()}, period_s=period_s)
+                         meters={n: m.local.meter for n, m in gw.models.items()}, routes=gw.models,
+                         period_s=period_s)
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
