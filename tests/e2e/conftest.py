@@ -33,6 +33,8 @@ START_TIMEOUT_S = float(os.environ.get("LMFLEET_TEST_START_TIMEOUT", "900"))
 API_KEY = "sk-lmfleet-test-client"
 ADMIN_KEY = "lmfleet-test-admin"
 PROVIDER_KEY = "sk-provider-secret-7f3a9c"
+TENANT_A_KEY = "sk-lmfleet-test-tenant-a"  # tenants of tests/e2e/test_tenants_e2e.py
+TENANT_B_KEY = "sk-lmfleet-test-tenant-b"
 
 
 def free_port() -> int:
@@ -183,7 +185,8 @@ def fleet(tmp_path_factory) -> Fleet:
 
     work = tmp_path_factory.mktemp("fleet")
     env = {**os.environ, "LMFLEET_TEST_API_KEYS": API_KEY, "LMFLEET_TEST_ADMIN_KEY": ADMIN_KEY,
-           "LMFLEET_TEST_PROVIDER_KEY": PROVIDER_KEY, "PYTHONUNBUFFERED": "1"}
+           "LMFLEET_TEST_PROVIDER_KEY": PROVIDER_KEY, "PYTHONUNBUFFERED": "1",
+           "LMFLEET_TEST_TENANT_A_KEYS": TENANT_A_KEY, "LMFLEET_TEST_TENANT_B_KEYS": TENANT_B_KEY}
 
     # the external provider: a bare vLLM OpenAI server that really checks its API key
     smol = resolve_source("builtin:smollm2")
@@ -216,8 +219,15 @@ def fleet(tmp_path_factory) -> Fleet:
              "deployment": {"max_ongoing_requests": 8, "request_timeout_s": 120, "stream_batching_interval_ms": 0},
              "cost": {"node_hour_usd": 0.10}},
             {"name": "tiny", "source": "builtin:tiny-random",
-             "engine": {"max_model_len": 1024, "cpu_kvcache_space_gib": 1},
+             "engine": {"max_model_len": 1024, "cpu_kvcache_space_gib": 1,
+                        "profiler_dir": str(work / "profiles")},  # lmfleet profile --trace (test_profile_e2e)
              "deployment": {"request_timeout_s": 60}, "overflow": {"enabled": False}},
+        ],
+        # the flat key above stays tenant "default" (unlimited, interactive); A and B: test_tenants_e2e.py
+        "tenants": [
+            {"name": "tenant-a", "api_keys_env": "LMFLEET_TEST_TENANT_A_KEYS", "priority": "batch",
+             "limits": {"max_concurrency": 4, "requests_per_minute": 100000, "tokens_per_minute": 10000000}},
+            {"name": "tenant-b", "api_keys_env": "LMFLEET_TEST_TENANT_B_KEYS", "limits": {"requests_per_minute": 10000}},
         ],
     }
     config_path = work / "fleet.yaml"

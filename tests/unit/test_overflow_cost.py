@@ -28,6 +28,12 @@ def test_external_cost(inp, out, pin, pout, expected):
         ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {"replicas": 1}, {"gpu_hour_usd": 1.5}, True, None, 6.0),
         ({}, {"replicas": 2}, {"node_hour_usd": 0.1, "gpu_hour_usd": 9.0}, False, None, 0.2),
         ({}, {"autoscaling": {"min_replicas": 1, "max_replicas": 4}}, {"gpu_hour_usd": 1.0}, True, 3, 3.0),
+        # data parallel: D x TP x PP GPUs per replica
+        ({"data_parallel_size": 8, "tensor_parallel_size": 2}, {"replicas": 2}, {"gpu_hour_usd": 1.0}, True, None, 32.0),
+        # prefill/decode split: both pools (prefill 2 x DP 4, decode 1 x DP 8)
+        ({}, {"disaggregation": {"kv_connector": "NixlConnector", "prefill": {"replicas": 2, "engine": {
+            "data_parallel_size": 4}}, "decode": {"replicas": 1, "engine": {"data_parallel_size": 8}}}},
+         {"gpu_hour_usd": 2.0}, True, None, 32.0),
     ],
 )
 def test_local_hourly_cost(engine, deployment, cost, uses_gpus, replicas, expected):

@@ -59,6 +59,12 @@ def test_capacity_must_be_positive():
         ({"replicas": 2, "max_ongoing_requests": 32}, {}, None, 64),
         ({"replicas": 2, "max_ongoing_requests": 32}, {"max_num_seqs": 8}, None, 16),
         ({"autoscaling": {"min_replicas": 1, "max_replicas": 4}, "max_ongoing_requests": 16}, {}, 3, 48),
+        # data parallel: each of a replica's D ranks is a Serve replica with its own cap
+        ({"replicas": 2, "max_ongoing_requests": 16}, {"data_parallel_size": 4}, None, 128),
+        ({"replicas": 1, "max_ongoing_requests": 16}, {"data_parallel_size": 4, "max_num_seqs": 8}, None, 32),
+        # prefill/decode split: the decode pool's capacity
+        ({"max_ongoing_requests": 16, "disaggregation": {"kv_connector": "NixlConnector",
+          "prefill": {"replicas": 3}, "decode": {"replicas": 2, "engine": {"data_parallel_size": 2}}}}, {}, None, 64),
     ],
 )
 def test_local_capacity(deployment, engine, replicas, expected):

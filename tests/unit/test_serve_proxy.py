@@ -172,3 +172,17 @@ def test_remove_node_files_only_touches_the_node_folder(tmp_path):
     assert (tmp_path / NODE).exists()
     remove_node_files(NODE, env)
     assert not (tmp_path / NODE).exists() and (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("router, proxy, forwards", [
+    ("prefix_aware", "haproxy", True),
+    ("default", "haproxy", False),
+    ("round_robin", "haproxy", False),
+    ("prefix_aware", "serve", False),  # Serve's own proxy hands the router the request as it is
+])
+def test_serve_env_forwards_bodies_for_prompt_aware_routers(router, proxy, forwards):
+    from lmfleet.engine.routing import FORWARD_BODY
+
+    f = parse_config({"gateway": {"serve_proxy": proxy}, "models": [
+        {"name": "m", "source": "builtin:tiny-random", "deployment": {"request_router": router}}]})
+    assert (serve_env(f).get(FORWARD_BODY) == "1") is forwards

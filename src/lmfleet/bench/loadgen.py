@@ -169,6 +169,33 @@ def _apply_usage(rec: RequestRecord, usage: dict | None) -> None:
             rec.prompt_tokens = int(usage["prompt_tokens"])
 
 
+class TurnOrder:
+    """Holds turn k of a session back until turn k-1 has been answered.
+
+    Request ``i`` is ``requests[i % n]``: keys carry the pass over the list (``i // n``) so that a session repeated
+    in the next pass waits for its own earlier turn. Turn k-1 always has a lower index, so it was taken (and is
+    being sent) before turn k waits for it: no deadlock.
+    """
+
+    def __init__(self, n: int):
+        self.n = max(n, 1)
+        self._events: dict[tuple[int, str, int], asyncio.Event] = {}
+
+    def _event(self, key: tuple[int, str, int]) -> asyncio.Event:
+        return self._events.setdefault(key, asyncio.Event())
+
+    async def wait(self, i: int, req: BenchRequest) -> None:
+        if req.session and req.turn > 1:
+            key = (i // self.n, req.session, req.turn - 1)
+            await self._event(key).wait()
+            self._events.pop(key, None)
+
+    def finish(self, i: int, req: BenchRequest) -> None:
+        """(A session's last turn leaves one event nobody waits for: one per session, freed with the run.)"""
+        if req.session:
+            self._event((i // self.n, req.session, req.turn)).set()
+
+
 def arrival_gaps(rate: float, burstiness: float, rng: random.Random):
     """Gaps between open-loop arrivals: gamma(shape=burstiness, mean=1/rate)."""
     theta = 1.0 / (rate * burstiness)
@@ -192,18 +219,22 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], plan: LoadP
     t0 = time.perf_counter()
     deadline = t0 + plan.duration if plan.duration else None
 
-    def next_request() -> BenchRequest | None:
+    order = TurnOrder(len(requests))
+
+    def next_request() -> tuple[int, BenchRequest] | None:
         i = next(counter)
         if plan.num_requests is not None and i >= plan.num_requests:
             return None
         if deadline is not None and time.perf_counter() >= deadline:
             return None
-        return requests[i % len(requests)]
+        return i, requests[i % len(requests)]
 
-    async def one(session: aiohttp.ClientSession, req: BenchRequest) -> None:
+    async def one(session: aiohttp.ClientSession, item: tuple[int, BenchRequest]) -> None:
+        i, req = item
         stats.sent += 1
         stats.in_flight += 1
         rec = await send_one(session, target, req, t0, stream)
+        order.finish(i, req)
         stats.in_flight -= 1
         stats.done += 1
         rec.warmup = rec.start < plan.warmup
@@ -225,8 +256,9 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], plan: LoadP
                 urng = random.Random(plan.seed * 1_000_003 + k)
                 if plan.ramp_up:
                     await asyncio.sleep(plan.ramp_up * k / plan.users)
-                while (req := next_request()) is not None:
-                    await one(session, req)
+                while (item := next_request()) is not None:
+                    await order.wait(*item)  # a session's next turn follows its previous answer (not timed)
+                    await one(session, item)
                     lo, hi = plan.think_time
                     if hi > 0:
                         await asyncio.sleep(urng.uniform(lo, hi))
@@ -238,15 +270,16 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], plan: LoadP
             gaps = arrival_gaps(plan.rate, plan.burstiness, rng)
             next_t = time.perf_counter()
 
-            async def limited(req: BenchRequest) -> None:
+            async def limited(item: tuple[int, BenchRequest]) -> None:
+                await order.wait(*item)  # before taking a slot: the previous turn may need one
                 if sem is None:
-                    await one(session, req)
+                    await one(session, item)
                 else:
                     async with sem:
-                        await one(session, req)
+                        await one(session, item)
 
-            while (req := next_request()) is not None:
-                task = asyncio.create_task(limited(req))
+            while (item := next_request()) is not None:
+                task = asyncio.create_task(limited(item))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 gap = next(gaps)

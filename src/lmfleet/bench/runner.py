@@ -210,4 +210,11 @@ def _describe_mix(mix: WorkloadMix | None) -> str:
     if mix is None:
         return "-"
     return ", ".join(f"{c.name} {c.weight:g} ({c.api}, in {c.input_tokens.lo}-{c.input_tokens.hi}, "
-                     f"out {c.output_tokens.lo}-{c.output_tokens.hi})" for c in mix.classes)
+                     f"out {c.output_tokens.lo}-{c.output_tokens.hi}{_describe_sessions(c)})" for c in mix.classes)
+
+
+def _describe_sessions(c) -> str:
+    out = f", {c.prefixes.count} system prompts of {c.prefixes.tokens} tokens" if c.prefixes else ""
+    if c.prefixes and c.prefixes.hot_share:
+        out += f" ({c.prefixes.hot_share:.0%} on one)"
+    return out + (f", {c.turns}-turn sessions" if c.turns > 1 else "")

@@ -3,13 +3,19 @@
 A mix is data (``WorkloadMix``); sampling is a pure function of (mix, seed, tokenizer). Prompts are
 synthesised to an exact token count with the target model's tokenizer, so ``prompt_tokens`` in the
 server's ``usage`` equals the number we asked for (see ``PromptSynthesizer``).
+
+Shared-prefix workloads, for measuring prefix caching and cache-aware routing (docs/routing.md): a class may
+draw each session's system prompt from a pool of K prompts of P tokens (``system_prompts``, optionally with
+one hot prompt taking ``hot_share`` of the sessions) and run ``turns``-turn sessions in which every turn
+carries the conversation so far (system prompt, earlier user turns and a synthetic assistant reply of each
+turn's ``max_tokens`` words), so turn k+1's prompt starts with turn k's.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -48,6 +54,35 @@ class WorkloadClass:
     output_tokens: TokenDist
     api: Literal["chat", "completion"] = "chat"
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens (do not send it to other servers)
+    prefixes: "PrefixPool | None" = None
+    """Shared system prompts: each session starts with one of them (None: no system prompt)."""
+    turns: int = 1
+    """Turns per session; each turn's prompt holds the whole conversation so far."""
+    sessions: int = 8
+    """Sessions of this class open at once; requests pick one of them at random, so turns interleave."""
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt (before the chat template): system prompt, every turn's input, earlier replies."""
+        prefix = self.prefixes.tokens if self.prefixes else 0
+        return prefix + self.turns * self.input_tokens.hi + (self.turns - 1) * self.output_tokens.hi
+
+    @property
+    def has_sessions(self) -> bool:
+        return self.prefixes is not None or self.turns > 1
+
+
+@dataclass(frozen=True)
+class PrefixPool:
+    """``count`` distinct system prompts of ``tokens`` tokens; ``hot_share`` of sessions use prompt 0 (the rest
+    draw uniformly from all, prompt 0 included): 0 is a uniform pool, 0.9 one hot prefix."""
+
+    count: int
+    tokens: int
+    hot_share: float = 0.0
+
+    def pick(self, rng: random.Random) -> int:
+        return 0 if rng.random() < self.hot_share else rng.randrange(self.count)
 
 
 @dataclass(frozen=True)
@@ -57,7 +92,7 @@ class WorkloadMix:
 
     @property
     def max_total_tokens(self) -> int:
-        return max(c.input_tokens.hi + c.output_tokens.hi for c in self.classes)
+        return max(c.max_prompt_tokens + c.output_tokens.hi for c in self.classes)
 
 
 @dataclass(frozen=True)
@@ -71,6 +106,9 @@ class BenchRequest:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = field(default=None)
     ignore_eos: bool = False
+    session: str = ""  # "" = not part of a session; else the class and a session number
+    turn: int = 0  # 1-based within the session (0: no session)
+    prefix: int | None = None  # index of the shared system prompt in the class's pool
 
 
 # ---------------------------------------------------------------- parsing
@@ -116,13 +154,41 @@ def parse_token_dist(value: Any, where: str) -> TokenDist:
     return d
 
 
+def _positive_int(value: Any, where: str, most: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdigit() \
+            or not 1 <= int(value) <= most:
+        raise BenchInputError(f"{where}: {value!r} is not a whole number from 1 to {most}")
+    return int(value)
+
+
+def parse_prefix_pool(value: Any, where: str) -> PrefixPool:
+    """``{count: K, tokens: P, hot_share: H}`` or ``"KxP"`` (e.g. ``8x1000``)."""
+    if isinstance(value, str):
+        k, _, p = value.lower().partition("x")
+        value = {"count": k, "tokens": p}
+    if not isinstance(value, dict) or set(value) - {"count", "tokens", "hot_share"} or not {"count", "tokens"} <= set(value):
+        raise BenchInputError(f"{where}: {value!r}; expected {{count: K, tokens: P, hot_share: H}} or 'KxP' "
+                              "(K system prompts of P tokens, e.g. 8x1000)")
+    hot = value.get("hot_share", 0.0)
+    try:
+        hot = float(hot)
+    except (TypeError, ValueError):
+        hot = -1.0
+    if not 0.0 <= hot < 1.0:
+        raise BenchInputError(f"{where}.hot_share: {value.get('hot_share')!r}; expected a share in [0, 1) of the "
+                              "sessions that use system prompt 0")
+    return PrefixPool(_positive_int(value["count"], f"{where}.count", 10_000),
+                      _positive_int(value["tokens"], f"{where}.tokens", 1_000_000), hot)
+
+
 def mix_from_dict(data: dict[str, Any], source: str = "mix") -> WorkloadMix:
     if not isinstance(data, dict) or not isinstance(data.get("classes"), list) or not data["classes"]:
         raise BenchInputError(f"{source}: expected a mapping with a non-empty 'classes' list")
     unknown = set(data) - {"classes", "seed"}
     if unknown:
         raise BenchInputError(f"{source}: unknown key(s) {sorted(unknown)}; expected 'classes' and 'seed'")
-    allowed = {"name", "weight", "input_tokens", "output_tokens", "api", "ignore_eos"}
+    allowed = {"name", "weight", "input_tokens", "output_tokens", "api", "ignore_eos", "system_prompts", "turns",
+               "sessions"}
     classes = []
     for i, c in enumerate(data["classes"]):
         where = f"{source}: classes[{i}]"
@@ -145,23 +211,55 @@ def mix_from_dict(data: dict[str, Any], source: str = "mix") -> WorkloadMix:
             name=str(c["name"]), weight=weight,
             input_tokens=parse_token_dist(c["input_tokens"], f"{where}.input_tokens"),
             output_tokens=parse_token_dist(c["output_tokens"], f"{where}.output_tokens"),
-            api=api, ignore_eos=bool(c.get("ignore_eos", False))))
+            api=api, ignore_eos=bool(c.get("ignore_eos", False)),
+            prefixes=parse_prefix_pool(c["system_prompts"], f"{where}.system_prompts") if c.get("system_prompts")
+            else None,
+            turns=_positive_int(c.get("turns", 1), f"{where}.turns", 64),
+            sessions=_positive_int(c.get("sessions", 8), f"{where}.sessions", 10_000)))
     mix = WorkloadMix(tuple(classes), seed=int(data.get("seed", 0)))
     validate_mix(mix, source)
     return mix
 
 
+INLINE_OPTIONS = {"prefixes": "system_prompts", "hot": "hot_share", "turns": "turns", "sessions": "sessions"}
+
+
 def parse_mix_inline(text: str) -> WorkloadMix:
-    """``NAME:WEIGHT:IN:OUT[:API],...`` e.g. ``short:0.6:64-512:32-256:chat,long:0.4:4096-8192:512``."""
+    """``NAME:WEIGHT:IN:OUT[:API][:OPTION=VALUE...],...`` e.g. ``short:0.6:64-512:32-256:chat,long:0.4:4096-8192:512``.
+
+    Options: ``prefixes=KxP`` (K shared system prompts of P tokens), ``hot=H`` (share of sessions on prompt 0),
+    ``turns=N`` (turns per session), ``sessions=S`` (sessions open at once), e.g.
+    ``agent:1:64:32:prefixes=8x1000:turns=4``.
+    """
     classes = []
     for i, item in enumerate(x for x in text.split(",") if x.strip()):
         parts = item.strip().split(":")
+        options = [p for p in parts[4:] if "=" in p]
+        parts = parts[:4] + [p for p in parts[4:] if "=" not in p]
         if len(parts) not in (4, 5):
             raise BenchInputError(
-                f"--mix item {item!r}: expected NAME:WEIGHT:INPUT_TOKENS:OUTPUT_TOKENS[:chat|completion]")
-        c = {"name": parts[0], "weight": parts[1], "input_tokens": parts[2], "output_tokens": parts[3]}
+                f"--mix item {item!r}: expected NAME:WEIGHT:INPUT_TOKENS:OUTPUT_TOKENS[:chat|completion]"
+                f"[:OPTION=VALUE...] with options {sorted(INLINE_OPTIONS)}")
+        c: dict[str, Any] = {"name": parts[0], "weight": parts[1], "input_tokens": parts[2], "output_tokens": parts[3]}
         if len(parts) == 5:
             c["api"] = parts[4]
+        pool: dict[str, Any] = {}
+        for opt in options:
+            key, _, value = opt.partition("=")
+            if key not in INLINE_OPTIONS:
+                raise BenchInputError(f"--mix item {item!r}: unknown option {key!r}; expected one of "
+                                      f"{sorted(INLINE_OPTIONS)}")
+            if key == "prefixes":
+                k, _, p = value.lower().partition("x")
+                pool |= {"count": k, "tokens": p}
+            elif key == "hot":
+                pool["hot_share"] = value
+            else:
+                c[INLINE_OPTIONS[key]] = value
+        if pool:
+            if "count" not in pool:
+                raise BenchInputError(f"--mix item {item!r}: hot= needs prefixes=KxP")
+            c["system_prompts"] = pool
         classes.append(c)
     return mix_from_dict({"classes": classes}, "--mix")
 
@@ -202,8 +300,7 @@ def with_weights(mix: WorkloadMix, overrides: dict[str, float]) -> WorkloadMix:
     if unknown:
         raise BenchInputError(f"--weight: unknown class name(s) {unknown}; the mix has {sorted(known)}")
     classes = tuple(
-        WorkloadClass(c.name, overrides.get(c.name, c.weight), c.input_tokens, c.output_tokens, c.api, c.ignore_eos)
-        for c in mix.classes)
+        replace(c, weight=overrides.get(c.name, c.weight)) for c in mix.classes)
     new = WorkloadMix(classes, mix.seed)
     validate_mix(new, "--weight")
     return new
@@ -213,11 +310,14 @@ def check_context(mix: WorkloadMix, max_model_len: int | None) -> None:
     if not max_model_len:
         return
     for c in mix.classes:
-        need = c.input_tokens.hi + c.output_tokens.hi
+        need = c.max_prompt_tokens + c.output_tokens.hi
         if need > max_model_len:
+            what = (f"system prompt {c.prefixes.tokens if c.prefixes else 0} + {c.turns} turns of input up to "
+                    f"{c.input_tokens.hi} and output up to {c.output_tokens.hi}" if c.has_sessions
+                    else f"input up to {c.input_tokens.hi} + output up to {c.output_tokens.hi}")
             raise BenchInputError(
-                f"class {c.name!r}: input up to {c.input_tokens.hi} + output up to {c.output_tokens.hi} = {need} "
-                f"tokens exceeds the model's context ({max_model_len=}); lower the ranges")
+                f"class {c.name!r}: {what} = {need} tokens exceeds the model's context ({max_model_len=}); "
+                "lower the ranges")
 
 
 # ---------------------------------------------------------------- sampling
@@ -236,16 +336,64 @@ def sample_requests(mix: WorkloadMix, n: int, synth: "PromptSynthesizer",
     """``n`` requests drawn from the mix; the same (mix, n, seed, tokenizer) gives the same list."""
     rng = random.Random(mix.seed if seed is None else seed)
     out = []
+    sessions = SessionBook(mix, synth, rng)
     for _ in range(n):
         c = pick_class(mix, rng)
         n_in, n_out = c.input_tokens.sample(rng), c.output_tokens.sample(rng)
-        if c.api == "chat":
+        if c.has_sessions:
+            out.append(sessions.next_turn(c, n_in, n_out))
+        elif c.api == "chat":
             out.append(BenchRequest(c.name, "chat", n_in, n_out, messages=synth.chat(n_in, rng),
                                     ignore_eos=c.ignore_eos))
         else:
             out.append(BenchRequest(c.name, "completion", n_in, n_out, prompt=synth.completion(n_in, rng),
                                     ignore_eos=c.ignore_eos))
     return out
+
+
+@dataclass
+class _Session:
+    number: int
+    prefix: int | None
+    history: list[dict[str, str]]
+    turns_done: int = 0
+
+
+class SessionBook:
+    """The open sessions of every session class, and each class's pool of system prompts.
+
+    Each request of a class picks one of its ``sessions`` slots at random; an empty or finished slot starts a
+    new session there. A turn appends the user text and a synthetic reply (``max_tokens`` words) to the
+    history, so the next turn's prompt starts with this one's. Pure: everything comes from ``rng``.
+    """
+
+    def __init__(self, mix: WorkloadMix, synth: "PromptSynthesizer", rng: random.Random):
+        self.synth = synth
+        self.rng = rng
+        self.pools = {c.name: [synth.text(c.prefixes.tokens, rng) for _ in range(c.prefixes.count)]
+                      for c in mix.classes if c.prefixes is not None}
+        self.slots: dict[str, list[_Session | None]] = {c.name: [None] * c.sessions for c in mix.classes}
+        self.started: dict[str, int] = {c.name: 0 for c in mix.classes}
+
+    def next_turn(self, c: WorkloadClass, n_in: int, n_out: int) -> BenchRequest:
+        slots = self.slots[c.name]
+        k = self.rng.randrange(len(slots))
+        s = slots[k]
+        if s is None or s.turns_done >= c.turns:
+            prefix = c.prefixes.pick(self.rng) if c.prefixes else None
+            system = [{"role": "system", "content": self.pools[c.name][prefix]}] if prefix is not None else []
+            s = slots[k] = _Session(self.started[c.name], prefix, system)
+            self.started[c.name] += 1
+        user = {"role": "user", "content": self.synth.text(n_in, self.rng)}
+        messages = [*s.history, user]
+        s.history = [*messages, {"role": "assistant", "content": self.synth.text(n_out, self.rng)}]
+        s.turns_done += 1
+        common = dict(ignore_eos=c.ignore_eos, session=f"{c.name}/{s.number}", turn=s.turns_done, prefix=s.prefix)
+        if c.api == "chat":
+            return BenchRequest(c.name, "chat", self.synth.count_messages(messages), n_out, messages=messages,
+                                **common)
+        prompt = "".join(m["content"] for m in messages)
+        return BenchRequest(c.name, "completion", self.synth.count_completion(prompt), n_out, prompt=prompt, **common)
 
 
 class PromptSynthesizer:
@@ -280,6 +428,16 @@ class PromptSynthesizer:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return len(ids)
+
+    def count_messages(self, messages: list[dict[str, str]]) -> int:
+        ids = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return len(ids)
+
+    def text(self, n: int, rng: random.Random) -> str:
+        """``n`` single-token words (``n`` tokens on their own; a neighbour may merge at the edges)."""
+        return "".join(rng.choices(self.words, k=n))
 
     def completion(self, n: int, rng: random.Random) -> str:
         return self._fit_with_offset(n, self._special, self.count_completion, rng)

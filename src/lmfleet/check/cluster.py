@@ -93,6 +93,29 @@ def gather_inventory(*, busy_fraction: float = DEFAULT_BUSY_FRACTION, timeout_s:
     return Hardware(tuple(views), True, f"{len(views)} Ray node(s), NVML through Ray tasks")
 
 
+def probe_rdma_nodes(timeout_s: float = 60.0) -> dict[str, list[Any]]:
+    """Each alive node's RDMA ports (:func:`lmfleet.check.nic_probe.probe_rdma`, a zero-resource task pinned to the
+    node): node label -> ports. A node whose task fails or times out answers no ports."""
+    import ray
+
+    from lmfleet.check.nic_probe import probe_rdma
+
+    nodes = _alive_nodes()
+    labels = _labels(nodes)
+    probe = ray.remote(num_cpus=0, max_retries=0)(probe_rdma)
+    refs = {labels[n["NodeID"]]: _pinned(probe, n["NodeID"]).remote() for n in nodes}
+    ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    for ref in pending:
+        ray.cancel(ref, force=True)
+    out: dict[str, list[Any]] = {}
+    for name, ref in refs.items():
+        try:
+            out[name] = ray.get(ref) if ref in ready else []
+        except Exception:  # noqa: BLE001 - a node that cannot answer has no RDMA path we can vouch for
+            out[name] = []
+    return out
+
+
 def _make(nbytes: int) -> Any:
     import numpy as np
 
@@ -183,11 +206,15 @@ def check_gpu_fit(cfg: FleetConfig, hw: Hardware) -> list[CheckResult]:
         return [skipped("gpu.fit", "cluster", "GPU counts unknown offline (set cluster.gpus_per_node or nodes' gpus)")]
     free = {n.name: n.gpus_free for n in counted}
     out = []
-    for m in cfg.models:
-        tp, pp = m.engine.tensor_parallel_size, m.engine.pipeline_parallel_size
+    # each model, or each pool of a prefill/decode split ("name/prefill"); a DP rank is one TP x PP replica
+    pools = [(pm.model_copy(update={"name": f"{m.name}/{role}"}) if role else pm) for m in cfg.models
+             for role, pm in m.pool_models()]
+    for m in pools:
+        tp, pp, dp = m.engine.tensor_parallel_size, m.engine.pipeline_parallel_size, m.engine.data_parallel_size
         replicas = m.deployment.min_replicas()
-        groups = pp * replicas
+        groups = pp * dp * replicas
         need = tp * groups
+        shape = f"TP {tp} x PP {pp}" + (f" x DP {dp}" if dp > 1 else "") + f" x {replicas} replica(s)"
         if groups == 0:
             out.append(passed("gpu.fit", m.name, "min_replicas=0: nothing placed at start"))
             continue
@@ -200,8 +227,8 @@ def check_gpu_fit(cfg: FleetConfig, hw: Hardware) -> list[CheckResult]:
                 free[node] -= tp
                 placed.append(node)
         if len(placed) == groups:
-            out.append(passed("gpu.fit", m.name, f"TP {tp} x PP {pp} x {replicas} replica(s) = {need} GPUs on "
-                              + ", ".join(sorted(set(placed)))))
+            out.append(passed("gpu.fit", m.name, f"{shape} = {need} GPUs on " + ", ".join(sorted(set(placed))),
+                              gpus=need))
             continue
         total_free = sum(free.values()) + tp * len(placed)
         detail = "; ".join(_gpu_line(n) for n in counted)
@@ -221,7 +248,7 @@ def check_gpu_fit(cfg: FleetConfig, hw: Hardware) -> list[CheckResult]:
             fix = f"free GPUs, or lower tensor_parallel_size to <= {largest} (raising pipeline_parallel_size)"
         out.append(failed(
             "gpu.fit", m.name,
-            f"needs {groups} group(s) of {tp} free GPUs on one node (TP {tp} x PP {pp} x {replicas} replica(s) = {need} "
+            f"needs {groups} group(s) of {tp} free GPUs on one node ({shape} = {need} "
             f"GPUs); placed {len(placed)}; the largest node has {largest} free. {detail}",
             fix, needed=need, groups=groups, tp=tp))
         for node in placed[len(placed) // pp * pp:]:  # replicas that fit start; a partial one holds nothing

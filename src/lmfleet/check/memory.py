@@ -22,7 +22,7 @@ def plan_for(m: ModelConfig, a: ModelArch, *, gpu_memory_bytes: int | None, tp: 
         tp=tp or e.tensor_parallel_size, pp=pp or e.pipeline_parallel_size, dtype=e.dtype, quantization=e.quantization,
         kv_cache_dtype=e.kv_cache_dtype, max_model_len=e.max_model_len,
         max_num_batched_tokens=e.max_num_batched_tokens or 8192, max_num_seqs=e.max_num_seqs or 256,
-        enforce_eager=e.enforce_eager,
+        enforce_eager=e.enforce_eager, dp=e.data_parallel_size, expert_parallel=e.enable_expert_parallel,
     )
     if gpu_memory_bytes:
         return plan_memory(a, gpu_memory_bytes=gpu_memory_bytes, gpu_memory_utilization=e.gpu_memory_utilization, **kw)
@@ -51,6 +51,18 @@ def smallest_fit(m: ModelConfig, a: ModelArch, gpu_memory_bytes: int, valid_tps:
     return tp, pp
 
 
+def _dp_facts(plan: MemoryPlan, a: ModelArch) -> str:
+    """Data/expert-parallel facts of a plan: routed-expert weights per rank, and that each DP rank has its own KV."""
+    if plan.dp == 1 and not plan.ep:
+        return ""
+    out = f"; DP {plan.dp}: each rank holds the numbers above and its own KV cache"
+    if a.is_moe:
+        out += (f"; routed experts {_gib(plan.expert_bytes_per_gpu)} per GPU"
+                + (f" ({plan.experts_per_rank:g} of {a.num_routed_experts} experts per rank, EP {plan.ep})" if plan.ep
+                   else f" (every expert sliced over DP x TP = {plan.dp * plan.tp} ranks)"))
+    return out
+
+
 def check_memory(m: ModelConfig, a: ModelArch, hw: Hardware, valid_tps: list[int]) -> tuple[list[CheckResult], MemoryPlan | None]:
     subj, e = m.name, m.engine
     gpu_mem = hw.gpu_memory_bytes
@@ -63,7 +75,8 @@ def check_memory(m: ModelConfig, a: ModelArch, hw: Hardware, valid_tps: list[int
              + (f" ({plan.params_active / 1e9:.1f}B active)" if a.is_moe else "")
              + f", {plan.dtype}{'/' + plan.quantization if plan.quantization else ''}: weights {_gib(plan.weight_bytes_total)}, "
              f"{_gib(plan.weight_bytes_per_gpu)} per {'GPU' if gpu_mem else 'worker'} at TP {plan.tp} x PP {plan.pp}; "
-             f"KV {plan.kv_bytes_per_token_per_gpu / 1024:.1f} KiB/token per {'GPU' if gpu_mem else 'engine'}")
+             f"KV {plan.kv_bytes_per_token_per_gpu / 1024:.1f} KiB/token per {'GPU' if gpu_mem else 'engine'}"
+             + _dp_facts(plan, a))
     data = plan.as_dict()
     out: list[CheckResult] = []
     if gpu_mem and plan.kv_bytes_per_gpu <= 0:
@@ -86,7 +99,8 @@ def check_memory(m: ModelConfig, a: ModelArch, hw: Hardware, valid_tps: list[int
     out.append(passed(
         "memory.fit", subj,
         f"on {where}: {facts}; KV cache {_gib(max(plan.kv_bytes_per_gpu, 0) if gpu_mem else plan.budget_bytes_per_gpu)} "
-        f"= {plan.kv_tokens:,} tokens = {plan.max_concurrency:.1f} sequences of {plan.max_model_len} tokens", **data))
+        f"= {plan.kv_tokens:,} tokens = {plan.max_concurrency:.1f} sequences of {plan.max_model_len} tokens"
+        + (f" per rank, {plan.max_concurrency * plan.dp:.1f} per DP group of {plan.dp}" if plan.dp > 1 else ""), **data))
     # sequences running at once: what Serve admits, capped by vLLM's batch size
     need = min(e.max_num_seqs or 256, m.deployment.max_ongoing_requests)
     full = need * plan.max_model_len

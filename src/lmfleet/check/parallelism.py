@@ -76,3 +76,31 @@ def check_parallelism(m: ModelConfig, a: ModelArch, hw: Hardware | None = None, 
             f"{pp * max(1, tp // better_tp)} (pipeline stages only pass activations between nodes)",
             tp=tp, gpus_per_node=per_node))
     return out
+
+
+def check_expert_parallel(m: ModelConfig, a: ModelArch | None) -> list[CheckResult]:
+    """Data/expert parallelism against the architecture: EP needs a MoE model; experts per EP rank."""
+    e, subj = m.engine, m.name
+    dp, tp = e.data_parallel_size, e.tensor_parallel_size
+    if not e.enable_expert_parallel:
+        if a is not None and dp > 1 and not a.is_moe:
+            return [passed("parallel.expert", subj, f"DP {dp} of a dense model: {dp} independent engines in one gang "
+                           "(DP attention pays off for MoE models; plain replicas restart one at a time)")]
+        return []
+    if a is None:
+        return [warned("parallel.expert", subj, "enable_expert_parallel is set but the model's architecture is "
+                       "unknown here (no config.json): whether it is a mixture of experts, and the expert weights per "
+                       "rank, are not checked",
+                       "point source at a checkpoint folder or a known model, or check on a machine that has it")]
+    if not a.is_moe:
+        return [warned("parallel.expert", subj, f"enable_expert_parallel on a dense model ({a.model_type}, no routed "
+                       "experts): it changes nothing", "remove engine.enable_expert_parallel")]
+    ep, experts = dp * tp, a.num_routed_experts
+    if experts % ep:
+        return [warned("parallel.expert", subj,
+                       f"EP {ep} (DP {dp} x TP {tp}) does not divide {experts} routed experts: ranks hold "
+                       f"{experts // ep} or {experts // ep + 1}, and the fuller ranks set the pace",
+                       f"use DP x TP from {[d for d in _divisors_up_to(experts, 1024) if d > 1][:8]} or enable_eplb "
+                       "with redundant experts", ep=ep, experts=experts)]
+    return [passed("parallel.expert", subj, f"EP {ep} (DP {dp} x TP {tp}): {experts // ep} of {experts} routed "
+                   f"experts per rank, {a.num_experts_per_tok} active per token", ep=ep, experts_per_rank=experts // ep)]

@@ -23,11 +23,19 @@ Formulas (``L`` layers, ``h`` hidden size, ``V`` vocab, ``n_q``/``n_kv`` attenti
     split over GPUs         layers are cut into PP stages the way vLLM does (``L // pp`` each, the
                             remainder to the stages before the last); each stage's bytes / TP.
                             The first stage holds the embedding, the last the LM head.
+    data parallel (DP)      each DP rank holds the attention, dense MLP, shared experts and embeddings
+                            (split by its own TP), while the routed experts of every MoE layer are split
+                            over all DP x TP ranks: sliced with plain DP (vLLM flattens TP across DP for
+                            MoE), whole experts per rank with expert parallelism (EP size = DP x TP,
+                            ``E_routed / (DP x TP)`` experts per rank). The bytes per GPU are the same.
 
     KV bytes per token per layer
       GQA/MHA               2 * n_kv * d * kv_bytes          (one K and one V per KV head)
       MLA                   (r_kv + d_rope) * kv_bytes       (the compressed latent; not split by TP)
     per GPU                 GQA: KV heads split over TP (replicated when n_kv < TP); layers of the stage
+
+    per DP rank             each rank has its own KV cache and its own sequences (MLA: the latent is
+                            replicated over TP, so DP attention is how MLA models scale KV capacity)
 
     KV budget per GPU       gpu_mem * gpu_memory_utilization - weights_per_gpu - reserve
       reserve               activation peak of one step (max_num_batched_tokens tokens through the
@@ -64,6 +72,7 @@ __all__ = [
     "param_counts",
     "plan_memory",
     "pp_layer_split",
+    "routed_expert_params",
     "resolve_dtypes",
     "weight_bytes",
 ]
@@ -274,18 +283,29 @@ def pp_layer_split(num_layers: int, pp: int) -> list[range]:
     return out
 
 
-def weight_bytes(a: ModelArch, dtype: str = "auto", quantization: str | None = None, *, tp: int = 1, pp: int = 1) -> list[int]:
-    """Weight bytes on one GPU of each pipeline stage (a list of ``pp`` numbers). ``tp=pp=1``: the whole model."""
+def routed_expert_params(a: ModelArch, layers: range | None = None) -> int:
+    """Parameters of the routed experts (not shared experts, not routers) in ``layers`` (default: all)."""
+    rng = layers if layers is not None else range(a.num_layers)
+    return sum(a.num_routed_experts * 3 * a.hidden_size * a.moe_intermediate_size for i in rng if a.is_moe_layer(i))
+
+
+def weight_bytes(a: ModelArch, dtype: str = "auto", quantization: str | None = None, *, tp: int = 1, pp: int = 1,
+                 moe_ranks: int | None = None) -> list[int]:
+    """Weight bytes on one GPU of each pipeline stage (a list of ``pp`` numbers). ``tp=pp=1``: the whole model.
+
+    ``moe_ranks``: the ranks the routed experts are split over (DP x TP under data parallelism; default ``tp``)."""
     d, q, _ = resolve_dtypes(a, dtype, quantization)
     counts = param_counts(a)
     qb = bytes_per_param(q, d)
     rest_b = 2 if q else _DTYPE_BYTES[d]  # embeddings, head, routers: 16 bit under quantization
+    moe_ranks = moe_ranks or tp
     out = []
     for s, rng in enumerate(pp_layer_split(a.num_layers, pp)):
         total = 0.0
         for i in rng:
             quant = counts.per_layer_quantizable[i]
             total += quant * qb + (counts.per_layer[i] - quant) * rest_b
+        routed = routed_expert_params(a, rng) * qb
         if s == 0:
             total += counts.embedding * rest_b
         if s == pp - 1:
@@ -295,7 +315,7 @@ def weight_bytes(a: ModelArch, dtype: str = "auto", quantization: str | None = N
         replicated = 0.0
         if not a.is_mla and a.num_kv_heads < tp:
             replicated = len(rng) * 2 * a.hidden_size * a.head_dim * (1 - a.num_kv_heads / tp) * qb
-        out.append(int(total / tp + replicated))
+        out.append(int((total - routed) / tp + routed / moe_ranks + replicated))
     return out
 
 
@@ -353,6 +373,10 @@ class MemoryPlan:
     kv_tokens: int
     max_concurrency: float  # kv_tokens / max_model_len
     notes: tuple[str, ...] = field(default_factory=tuple)
+    dp: int = 1  # data-parallel ranks: each holds the per-GPU numbers above and its own KV cache
+    ep: int = 0  # expert-parallel size (DP x TP) when expert parallelism is on, else 0
+    expert_bytes_per_gpu: int = 0  # routed-expert weights on one GPU of the fullest stage
+    experts_per_rank: float = 0.0  # routed experts per GPU under EP (E / ep); 0 without EP
 
     @property
     def fits(self) -> bool:
@@ -383,6 +407,8 @@ def plan_memory(
     max_num_seqs: int = 256,
     enforce_eager: bool = False,
     block_size: int = 16,
+    dp: int = 1,
+    expert_parallel: bool = False,
 ) -> MemoryPlan:
     """Plan one replica's memory on GPUs of ``gpu_memory_bytes`` each, or with a fixed ``kv_cache_bytes`` (CPU).
 
@@ -394,13 +420,16 @@ def plan_memory(
     """
     if (gpu_memory_bytes is None) == (kv_cache_bytes is None):
         raise PlanError("give exactly one of gpu_memory_bytes (GPU engines) and kv_cache_bytes (CPU engines)")
-    if tp < 1 or pp < 1:
-        raise PlanError(f"tp={tp} and pp={pp} must be >= 1")
+    if tp < 1 or pp < 1 or dp < 1:
+        raise PlanError(f"tp={tp}, pp={pp} and dp={dp} must be >= 1")
     d, q, kv = resolve_dtypes(a, dtype, quantization, kv_cache_dtype)
     mml = max_model_len or a.max_position_embeddings
     counts = param_counts(a)
-    per_stage = weight_bytes(a, d, q, tp=tp, pp=pp)
+    per_stage = weight_bytes(a, d, q, tp=tp, pp=pp, moe_ranks=dp * tp)
     stages = pp_layer_split(a.num_layers, pp)
+    qb = bytes_per_param(q, d)
+    expert_per_stage = [int(routed_expert_params(a, r) * qb / (dp * tp)) for r in stages]
+    ep = dp * tp if expert_parallel and a.is_moe else 0
     kv_per_stage = [kv_bytes_per_token(a, kv, d, tp=tp, layers=r) for r in stages]
     notes = []
     if not a.is_mla and a.num_kv_heads < tp:
@@ -434,4 +463,8 @@ def plan_memory(
         kv_tokens=kv_tokens,
         max_concurrency=kv_tokens / mml,
         notes=tuple(notes),
+        dp=dp,
+        ep=ep,
+        expert_bytes_per_gpu=max(expert_per_stage),
+        experts_per_rank=a.num_routed_experts / ep if ep else 0.0,
     )

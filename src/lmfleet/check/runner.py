@@ -6,13 +6,22 @@ import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
-from lmfleet.check.cluster import Link, check_gpu_fit, check_inventory, check_links, gather_inventory, measure_links
+from lmfleet.check.cluster import (
+    Link,
+    check_gpu_fit,
+    check_inventory,
+    check_links,
+    gather_inventory,
+    measure_links,
+    probe_rdma_nodes,
+)
 from lmfleet.check.exposure import check_replica_exposure
 from lmfleet.check.gpu_probe import DEFAULT_BUSY_FRACTION
 from lmfleet.check.hardware import GpuModel, Hardware, bandwidth_for, gpu_model, hardware_from_config
 from lmfleet.check.memory import check_host_memory, check_memory, no_arch
 from lmfleet.check.model_files import find_model_files, tokenizer_location
-from lmfleet.check.parallelism import check_parallelism, valid_tp_sizes
+from lmfleet.check.disaggregation import check_kv_transfer_path, check_kv_transfer_size
+from lmfleet.check.parallelism import check_expert_parallel, check_parallelism, valid_tp_sizes
 from lmfleet.check.planner import PlanError, arch_from_config
 from lmfleet.check.result import CheckResult, failed, passed, skipped
 from lmfleet.check.timeouts import LoadAssumptions, check_timeouts
@@ -78,9 +87,11 @@ def model_checks(cfg: FleetConfig, hw: Hardware, opts: CheckOptions) -> list[Che
                               "run `lmfleet serve` once on a machine with the builtin models' packages"))
             continue
         plan = None
+        pools = [(pm.model_copy(update={"name": f"{m.name}/{role}"}) if role else pm) for role, pm in m.pool_models()]
         if files.config is None:
             out.append(skipped("model.files", m.name, files.origin))
             out.append(no_arch(m, files.origin))
+            out += [r for pm in pools for r in check_expert_parallel(pm, None)]
         else:
             out.append(passed("model.files", m.name, f"config.json from {files.origin}"))
             try:
@@ -92,14 +103,17 @@ def model_checks(cfg: FleetConfig, hw: Hardware, opts: CheckOptions) -> list[Che
                 block = ((files.config.get("quantization_config") or {}).get("weight_block_size") or [None])[0]
                 if m.engine.quantization not in (None, "fp8"):
                     block = None
-                out += check_parallelism(m, arch, hw, weight_block=block)
-                if gpus_unknown:
-                    out.append(skipped("memory.fit", m.name, "the fleet file describes GPU nodes but not their GPU "
-                                       "model; set cluster.gpu (e.g. h200) or pass --gpu to plan memory"))
-                    mem, plan = [], None
-                else:
-                    mem, plan = check_memory(m, arch, hw, valid_tp_sizes(arch))
-                out += mem
+                for pm in pools:  # the model itself, or its prefill and decode pools (plan: the last, decode)
+                    out += check_parallelism(pm, arch, hw, weight_block=block) + check_expert_parallel(pm, arch)
+                    if gpus_unknown:
+                        out.append(skipped("memory.fit", pm.name, "the fleet file describes GPU nodes but not their "
+                                           "GPU model; set cluster.gpu (e.g. h200) or pass --gpu to plan memory"))
+                        mem, plan = [], None
+                    else:
+                        mem, plan = check_memory(pm, arch, hw, valid_tp_sizes(arch))
+                    out += mem
+                if plan is not None and m.deployment.disaggregation is not None:
+                    out.append(check_kv_transfer_size(m, plan, cfg.cluster.min_link_gbps))
                 if plan is not None and not on_gpu and not hw.has_gpus and not hw.measured:
                     import psutil
 
@@ -122,6 +136,7 @@ def run_checks(cfg: FleetConfig, opts: CheckOptions, progress: Callable[[str], N
         results = [skipped("cluster", "cluster", f"--offline: no Ray; hardware {hw.note}")]
         results += check_inventory(hw) + check_gpu_fit(cfg, hw)
         links: list[Link] = []
+        results += check_kv_transfer_path(cfg, hw, links, None)
     else:
         from lmfleet.cluster.connect import resolve_ray_address
 
@@ -131,8 +146,11 @@ def run_checks(cfg: FleetConfig, opts: CheckOptions, progress: Callable[[str], N
             hw = gather_inventory(busy_fraction=opts.busy_fraction)
             progress("measuring links between nodes")
             links = measure_links(payload_bytes=opts.link_payload_mib * 1024**2) if len(hw.nodes) > 1 else []
+            split = any(m.deployment.disaggregation for m in cfg.models) and len(hw.nodes) > 1
+            rdma = probe_rdma_nodes() if split else None
         results = [passed("cluster", "cluster", f"{desc}: {hw.note}")]
         results += check_inventory(hw) + check_gpu_fit(cfg, hw) + check_links(cfg, hw, links)
+        results += check_kv_transfer_path(cfg, hw, links, rdma)
         results += check_replica_exposure(cfg, [n.probe.extra["ip"] for n in hw.nodes
                                                 if n.probe is not None and n.probe.extra.get("ip")],
                                           joined=address is not None)

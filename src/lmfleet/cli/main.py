@@ -57,6 +57,8 @@ def _register() -> None:
     app.command("usage")(usage.usage)
     app.add_typer(cluster.app, name="cluster")
     app.add_typer(bench.app, name="bench")
+    from lmfleet.cli import profile
+    app.command("profile")(profile.profile)
 
 
 _register()

@@ -235,6 +235,23 @@ def _fmt(v: float | None, unit: str = "") -> str:
     return "-" if v is None else f"{v:g}{unit}"
 
 
+def _replica_rows(load: list[ModelLoad]) -> list[list[str]]:
+    """Per-replica engine load and prefix-cache hit rate from /admin/state's ``replicas`` (docs/routing.md)."""
+    rows = []
+    for m in load:
+        replicas = m.extra.get("replicas")
+        if not isinstance(replicas, Mapping):
+            continue
+        for rid, r in sorted(replicas.items()):
+            if not isinstance(r, Mapping):
+                continue
+            rate = _num(r.get("prefix_cache_hit_rate"))
+            rows.append([m.model, str(m.extra.get("request_router", "-")), rid or "-", _fmt(_num(r.get("running"))),
+                         _fmt(_num(r.get("waiting"))), _fmt(_num(r.get("requests_finished"))),
+                         "-" if rate is None else f"{rate:.0%}"])
+    return rows
+
+
 def render_status(status: ClusterStatus) -> str:
     """Human-readable status: state line, nodes, deployments with replica placement, load, problems."""
     alive = sum(n.alive for n in status.nodes)
@@ -260,6 +277,11 @@ def render_status(status: ClusterStatus) -> str:
     if status.load is not None:
         load_rows = [[m.model, _fmt(m.in_flight), _fmt(m.queued), _fmt(m.ttft_ms, " ms")] for m in status.load]
         lines += ["Load (gateway)", *_table(["MODEL", "IN FLIGHT", "QUEUED", "RECENT TTFT"], load_rows), ""]
+        replica_rows = _replica_rows(status.load)
+        if replica_rows:
+            lines += ["Replicas (engines, from Ray's metrics pages)",
+                      *_table(["MODEL", "ROUTER", "REPLICA", "RUNNING", "WAITING", "FINISHED", "PREFIX HIT"],
+                              replica_rows), ""]
     lines += [f"problem: {p}" for p in status.problems()]
     lines += [f"note: {e}" for e in status.notes()]
     return "\n".join(lines).rstrip() + "\n"

@@ -25,6 +25,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+_OFF_BY_DEFAULT: dict[str, Any] = {"data_parallel_size": 1, "enable_expert_parallel": False, "enable_eplb": False}
+"""Engine options left out of vLLM's kwargs at their defaults (engines without DP/EP get exactly what they got before)."""
+
+
 class EngineConfig(_Strict):
     """vLLM engine options for one model. Field names follow vLLM's engine arguments."""
 
@@ -33,6 +37,25 @@ class EngineConfig(_Strict):
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per pipeline stage (vLLM --tensor-parallel-size).")
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (vLLM --pipeline-parallel-size).")
+    data_parallel_size: int = Field(
+        1, ge=1, le=1024, description="Data-parallel attention ranks per replica (vLLM --data-parallel-size). Above 1 "
+        "the model is served by Ray Serve LLM's data-parallel pattern: each rank is one Serve replica of "
+        "tensor_parallel_size x pipeline_parallel_size devices, the ranks of one replica gang-scheduled together, and "
+        "MoE layers sharded over all data_parallel_size x tensor_parallel_size ranks (docs/deepseek.md).",
+    )
+    enable_expert_parallel: bool = Field(
+        False, description="Expert parallelism for MoE layers: whole experts spread over the data_parallel_size x "
+        "tensor_parallel_size ranks instead of every expert sliced (vLLM --enable-expert-parallel).",
+    )
+    all2all_backend: Literal[
+        "allgather_reducescatter", "naive", "pplx", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",
+        "mori_high_throughput", "mori_low_latency", "moonep", "nixl_ep",
+    ] | None = Field(None, description="Expert-parallel all-to-all kernels (vLLM --all2all-backend). Null: vLLM's "
+                     "default (allgather_reducescatter). DeepEP: high_throughput for prefill, low_latency for decode.")
+    enable_eplb: bool = Field(False, description="Expert-parallel load balancing: replicate hot experts (vLLM --enable-eplb).")
+    expert_placement_strategy: Literal["linear", "round_robin"] | None = Field(
+        None, description="How experts map to EP ranks (vLLM --expert-placement-strategy). Null: vLLM's default (linear)."
+    )
     max_model_len: int | None = Field(
         None, ge=16, description="Context length in tokens (prompt + output). Default: the model's own."
     )
@@ -63,6 +86,11 @@ class EngineConfig(_Strict):
         description="Environment variables for the engine's processes (e.g. NCCL_* or VLLM_CPU_OMP_THREADS_BIND). "
         "Not for secrets: they are shown by `lmfleet config validate` and Ray's dashboard.",
     )
+    profiler_dir: str | None = Field(
+        None, min_length=2, max_length=1024,
+        description="Absolute folder, on every node, where vLLM's torch profiler writes this model's traces "
+        "(in a subfolder named after the model) when `lmfleet profile --trace` runs. Null: profiling off.",
+    )
 
     @field_validator("env")
     @classmethod
@@ -76,6 +104,13 @@ class EngineConfig(_Strict):
             raise ValueError("set the CPU KV cache with engine.cpu_kvcache_space_gib, not env.VLLM_CPU_KVCACHE_SPACE")
         return v
 
+    @field_validator("profiler_dir")
+    @classmethod
+    def _absolute_profiler_dir(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("must be an absolute folder (the same path on every node)")
+        return v
+
     @field_validator("extra_args")
     @classmethod
     def _no_shadowing(cls, v: dict[str, Any]) -> dict[str, Any]:
@@ -86,8 +121,9 @@ class EngineConfig(_Strict):
 
     def vllm_kwargs(self) -> dict[str, Any]:
         """Engine keyword arguments for vLLM (only the options that were set)."""
-        skip = {"extra_args", "cpu_kvcache_space_gib", "device", "env"}
-        out = {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
+        skip = {"extra_args", "cpu_kvcache_space_gib", "device", "env", "profiler_dir"}
+        out = {k: v for k, v in self.model_dump().items() if k not in skip and v is not None
+               and not (k in _OFF_BY_DEFAULT and v == _OFF_BY_DEFAULT[k])}
         out.update(self.extra_args)
         return out
 
@@ -108,6 +144,89 @@ class AutoscalingConfig(_Strict):
         return self
 
 
+RequestRouterName = Literal["default", "prefix_aware", "kv_aware", "round_robin"]
+"""How Ray Serve picks a replica for each request (docs/routing.md)."""
+
+
+class PrefixAwareConfig(_Strict):
+    """Options of ``request_router: prefix_aware`` (Ray Serve's PrefixCacheAffinityRouter; docs/routing.md)."""
+
+    imbalance_threshold: int | None = Field(
+        8, ge=0, description="Hot-spot guard: when the busiest and the least busy replica's requests in flight differ "
+        "by more than this, the router ignores prefixes and sends to the less loaded of two (power of two choices). "
+        "Null: never (Ray's default, which lets affinity pile everything onto one replica)."
+    )
+    match_rate_threshold: float = Field(
+        0.1, ge=0, le=1, description="Least share of the prompt's characters that must match a replica's history for "
+        "affinity to apply; below it the request goes to the replica with the least cached text."
+    )
+    evict_above_chars: int | None = Field(
+        400_000, ge=1000, description="The router's prefix tree (prompt characters per replica) is trimmed above "
+        "this many characters. Null: never trimmed (Ray's default; it grows with every distinct prompt)."
+    )
+    evict_to_chars: int = Field(360_000, ge=0, description="Size the prefix tree is trimmed down to.")
+    eviction_interval_s: int = Field(10, ge=1, description="How often the prefix tree's size is checked.")
+
+    @model_validator(mode="after")
+    def _eviction_order(self) -> "PrefixAwareConfig":
+        if self.evict_above_chars is not None and self.evict_to_chars > self.evict_above_chars:
+            raise ValueError(f"evict_to_chars={self.evict_to_chars} must be <= "
+                             f"evict_above_chars={self.evict_above_chars}")
+        return self
+
+
+class PoolConfig(_Strict):
+    """One pool of a prefill/decode split: its replica count and what its engines do differently."""
+
+    replicas: int = Field(1, ge=1, description="Replicas of this pool (data-parallel groups when its "
+                          "data_parallel_size > 1, as Ray counts them).")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Requests one replica of this pool takes at once. Null: deployment.max_ongoing_requests."
+    )
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="Engine options of this pool that differ from the model's `engine` section "
+        "(e.g. tensor_parallel_size, data_parallel_size, max_num_batched_tokens, all2all_backend); same keys, same "
+        "constraints.",
+    )
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(v) - set(EngineConfig.model_fields))
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; expected keys of the model's engine section")
+        if "device" in v:
+            raise ValueError("both pools run on the model's engine.device; set it there, not per pool")
+        return v
+
+
+KV_CONNECTORS = ("NixlConnector", "LMCacheConnectorV1", "LMCacheMPConnector", "MooncakeConnector",
+                 "MoRIIOConnector", "MultiConnector", "ExampleConnector", "OffloadingConnector",
+                 "SimpleCPUOffloadConnector")
+"""vLLM 0.32 KV connectors a prefill/decode split can name (vllm.distributed.kv_transfer.kv_connector.factory)."""
+
+
+class DisaggregationConfig(_Strict):
+    """Prefill/decode disaggregation: prompts are prefilled by one pool, the KV cache is shipped by a KV connector,
+    and tokens are decoded by the other pool (Ray Serve LLM's ``build_pd_openai_app``; docs/deepseek.md)."""
+
+    prefill: PoolConfig = Field(default_factory=PoolConfig, description="The pool that runs prompts (compute-bound).")
+    decode: PoolConfig = Field(default_factory=PoolConfig, description="The pool that generates tokens (memory-bound); "
+                               "it receives every request and asks the prefill pool first.")
+    kv_connector: Literal[KV_CONNECTORS] = Field(  # type: ignore[valid-type]
+        ..., description="vLLM KV connector that moves the KV cache from prefill to decode: NixlConnector "
+        "(GPU to GPU over RDMA/UCX), LMCacheConnectorV1, MooncakeConnector, MoRIIOConnector (AMD), or "
+        "ExampleConnector (through files under kv_connector_options.shared_storage_path; tests only).",
+    )
+    kv_connector_options: dict[str, Any] = Field(
+        default_factory=dict, description="The connector's own options (vLLM kv_transfer_config."
+        "kv_connector_extra_config), passed through unchanged.",
+    )
+    kv_buffer_device: Literal["cuda", "cpu"] | None = Field(
+        None, description="Where the connector stages KV blocks (vLLM kv_buffer_device). Null: the connector's default."
+    )
+
+
 class DeploymentConfig(_Strict):
     """How many replicas of a model run and how much each accepts."""
 
@@ -123,6 +242,37 @@ class DeploymentConfig(_Strict):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
         None, description="Ray placement-group strategy for one replica's bundles. Default: STRICT_PACK within a node."
     )
+    disaggregation: DisaggregationConfig | None = Field(
+        None, description="Split prefill and decode into two pools joined by a KV connector (replaces replicas and "
+        "autoscaling: each pool has its own replica count). Null: every replica does both.",
+    )
+    request_router: RequestRouterName = Field(
+        "default", description="How Ray Serve picks a replica: default (the less loaded of two random replicas), "
+        "prefix_aware (the replica whose prefix cache likely holds the prompt's start, within the hot-spot guard "
+        "prefix_aware.imbalance_threshold), kv_aware (Ray's KVAwareRouter: scores replicas on the engines' KV-cache "
+        "events; needs gateway.serve_proxy: haproxy and the ai-dynamo package), round_robin (strict rotation)."
+    )
+    prefix_aware: PrefixAwareConfig | None = Field(
+        None, description="Options of request_router: prefix_aware. Null: the defaults."
+    )
+
+    @model_validator(mode="after")
+    def _router_options(self) -> "DeploymentConfig":
+        if self.prefix_aware is not None and self.request_router != "prefix_aware":
+            raise ValueError(f"prefix_aware options are set but request_router is {self.request_router!r}; "
+                             "set request_router: prefix_aware or remove the prefix_aware section")
+        return self
+
+    def prefix_aware_options(self) -> PrefixAwareConfig:
+        """The prefix_aware section, or its defaults."""
+        return self.prefix_aware or PrefixAwareConfig()
+
+    @model_validator(mode="after")
+    def _pools_replace_replicas(self) -> "DeploymentConfig":
+        if self.disaggregation is not None and self.autoscaling is not None:
+            raise ValueError("deployment.autoscaling and deployment.disaggregation cannot be combined: set "
+                             "deployment.disaggregation.prefill.replicas and .decode.replicas instead")
+        return self
 
     def min_replicas(self) -> int:
         return self.autoscaling.min_replicas if self.autoscaling else (self.replicas or 1)
@@ -205,6 +355,39 @@ class ModelConfig(_Strict):
             if v.removeprefix("builtin:") not in BUILTIN_MODELS:
                 raise ValueError(f"unknown builtin model {v!r}; expected one of {sorted('builtin:' + k for k in BUILTIN_MODELS)}")
         return v
+
+    @model_validator(mode="after")
+    def _pool_engines(self) -> "ModelConfig":
+        """Each pool's engine (the model's engine with the pool's overrides) must be a valid engine section."""
+        from pydantic import ValidationError
+
+        dis = self.deployment.disaggregation
+        for role in ("prefill", "decode") if dis else ():
+            try:
+                self.pool_model(role)
+            except ValidationError as e:
+                errs = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'engine'}: {x['msg']}" for x in e.errors())
+                raise ValueError(f"deployment.disaggregation.{role}.engine: {errs}") from None
+        return self
+
+    def pool_model(self, role: Literal["prefill", "decode"]) -> "ModelConfig":
+        """This model as one pool of its prefill/decode split deploys it: the pool's engine overrides applied, its
+        replica count and request cap, no split. Without a split: the model itself."""
+        dis = self.deployment.disaggregation
+        if dis is None:
+            return self
+        pool = getattr(dis, role)
+        engine = EngineConfig.model_validate({**self.engine.model_dump(exclude_defaults=True), **pool.engine})
+        deployment = self.deployment.model_copy(update={
+            "replicas": pool.replicas, "autoscaling": None, "disaggregation": None,
+            "max_ongoing_requests": pool.max_ongoing_requests or self.deployment.max_ongoing_requests})
+        return self.model_copy(update={"engine": engine, "deployment": deployment})
+
+    def pool_models(self) -> list[tuple[str, "ModelConfig"]]:
+        """``[("prefill", ...), ("decode", ...)]`` for a split model, else ``[("", self)]``: what gets GPUs."""
+        if self.deployment.disaggregation is None:
+            return [("", self)]
+        return [(role, self.pool_model(role)) for role in ("prefill", "decode")]
 
     @model_validator(mode="after")
     def _builtin_engine_defaults(self) -> "ModelConfig":
@@ -516,6 +699,15 @@ class FleetConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _routing_refs(self) -> "FleetConfig":
+        from lmfleet.config.routing import routing_problems, routing_validation_error
+
+        problems = routing_problems(self)
+        if problems:
+            raise routing_validation_error(problems)
+        return self
+
+    @model_validator(mode="after")
     def _cross_refs(self) -> "FleetConfig":
         names = [m.name for m in self.models]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -533,6 +725,29 @@ class FleetConfig(_Strict):
             unknown = sorted(set(p.model_map) - set(names))
             if unknown:
                 raise ValueError(f"provider {p.name!r}: model_map names unknown local models {unknown}; served: {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_fits_cluster(self) -> "FleetConfig":
+        """One replica's DP x TP x PP GPUs must exist in the cluster the file describes (when it describes one)."""
+        c = self.cluster
+        nodes = [n for n in [c.head, *c.workers] if n is not None]
+        total = sum(c.node_gpus(n) for n in nodes)
+        if not nodes or total == 0:
+            return self
+        for i, m in enumerate(self.models):
+            if m.engine.device == "cpu":
+                continue
+            for role, pm in m.pool_models():
+                e = pm.engine
+                need = e.data_parallel_size * e.tensor_parallel_size * e.pipeline_parallel_size
+                if need > total:
+                    where = f"deployment.disaggregation.{role}.engine" if role else "engine"
+                    raise ValueError(
+                        f"models[{i}] ({m.name}): {where}.data_parallel_size={e.data_parallel_size} x "
+                        f"tensor_parallel_size={e.tensor_parallel_size} x pipeline_parallel_size="
+                        f"{e.pipeline_parallel_size} = {need} GPUs for one replica, but the cluster section describes "
+                        f"{total} GPUs on {len(nodes)} node(s); lower one of them or add nodes")
         return self
 
     def model(self, name: str) -> ModelConfig | None:

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator,
+                      model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 __all__ = [
@@ -36,7 +37,10 @@ __all__ = [
     "TenantConfig",
     "TenantLimits",
     "TenantProblem",
+    "TenantSettings",
+    "TenantUpdate",
     "TenantsConfig",
+    "check_settings",
     "check_tenants",
     "default_priority_classes",
     "tenant_validation_error",
@@ -139,6 +143,56 @@ class TenantsConfig(_Strict):
         default_factory=default_priority_classes, description="Priority classes, most urgent first by `order`.")
 
 
+class TenantSettings(_Strict):
+    """What may change of a tenant at run time (``PUT /admin/tenants/NAME``): everything but its name and keys.
+    Stored as JSON in the spend store's database (``tenant_overrides``); resolved like :class:`TenantConfig`."""
+
+    limits: TenantLimits = Field(default_factory=TenantLimits, description="Rate, concurrency and spend limits.")
+    models: list[str] = Field(default_factory=list, description="Models the tenant may use. Empty: every model.")
+    priority: str | None = Field(None, description="Class of a request without an x-lmfleet-priority header.")
+    max_priority: str | None = Field(None, description="Most urgent class the x-lmfleet-priority header may ask for.")
+    batch_may_use_providers: bool = Field(False, description="Batch past its deadline may go to paid providers.")
+
+    @field_validator("models")
+    @classmethod
+    def _unique_models(cls, models: list[str]) -> list[str]:
+        dupes = sorted({m for m in models if models.count(m) > 1})
+        if dupes:
+            raise ValueError(f"models repeated: {dupes}")
+        return models
+
+    def as_config(self, name: str) -> TenantConfig:
+        """These settings as a :class:`TenantConfig` without keys (a placeholder key source), for the checks and
+        :meth:`lmfleet.tenants.Tenant.from_config`."""
+        return TenantConfig(name=name, api_keys_env="LMFLEET_NO_KEYS", **self.model_dump())
+
+
+class TenantUpdate(_Strict):
+    """The body of ``PUT /admin/tenants/NAME``: the fields given replace the current ones; ``limits`` merges field by
+    field (``{"limits": {"requests_per_minute": null}}`` lifts that limit, the others stay)."""
+
+    limits: TenantLimits | None = Field(None, description="Limits to change (only the fields given).")
+    models: list[str] | None = Field(None, description="Models the tenant may use (null or empty: every model).")
+    priority: str | None = Field(None, description="Class of a request without a header (null: the most urgent).")
+    max_priority: str | None = Field(None, description="Most urgent class the header may ask for (null: priority).")
+    batch_may_use_providers: StrictBool | None = Field(None, description="Batch may pay past its deadline.")
+
+    def merged(self, current: TenantSettings) -> TenantSettings:
+        """``current`` with this update applied (validated again as a whole: repeated models are refused)."""
+        data = current.model_dump()
+        for key in self.model_fields_set:
+            value = getattr(self, key)
+            if key == "limits" and value is not None:
+                data["limits"] = {**data["limits"], **value.model_dump(include=value.model_fields_set)}
+            elif key == "models":
+                data["models"] = value or []
+            elif key == "batch_may_use_providers":
+                data[key] = bool(value) if value is not None else data[key]
+            else:
+                data[key] = value
+        return TenantSettings.model_validate(data)
+
+
 # ---- checks across the file ---------------------------------------------------------------------------------
 
 class FleetLike(Protocol):
@@ -224,3 +278,15 @@ def tenant_validation_error(problems: Sequence[TenantProblem], title: str = "Fle
         InitErrorDetails(type=PydanticCustomError("tenant_reference", "{message}", {"message": p.message}),
                          loc=p.loc, input=p.value)
         for p in problems])
+
+
+def check_settings(name: str, settings: TenantSettings, *, served: Sequence[str],
+                   classes: Sequence[PriorityClass]) -> list[TenantProblem]:
+    """:func:`check_tenants`'s checks of one tenant's run-time settings (unknown models and classes, a priority
+    more urgent than ``max_priority``), with key paths relative to the settings (``models[0]``, ``priority``)."""
+    from types import SimpleNamespace
+
+    fleet = SimpleNamespace(tenants=[settings.as_config(name)], priority_classes=list(classes),
+                            models=[SimpleNamespace(name=m) for m in served],
+                            gateway=SimpleNamespace(api_keys_env=None, api_keys_file=None))
+    return [TenantProblem(p.loc[2:], p.message, p.value) for p in check_tenants(fleet)]

@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from lmfleet.config.models import DeploymentConfig, FleetConfig, ModelConfig
+from lmfleet.engine.routing import check_router_available, request_router_config
 from lmfleet.models import resolve_source
 
 
@@ -53,6 +54,9 @@ class ModelApp:
     """What the deployment costs per hour at its configured replica count (for the ledger)."""
     llm_config: Any = field(default=None, repr=False)
     """``ray.serve.llm.LLMConfig`` (None where nothing is deployed, e.g. gateway tests)."""
+    prefill_llm_config: Any = field(default=None, repr=False)
+    """The prefill pool's ``LLMConfig`` when deployment.disaggregation is set (``llm_config`` is then the decode
+    pool's); None otherwise."""
 
     @property
     def threshold_ms(self) -> float:
@@ -99,6 +103,9 @@ def serve_deployment_options(dep: DeploymentConfig) -> dict[str, Any]:
         }
     else:
         opts["num_replicas"] = dep.replicas or 1
+    router = request_router_config(dep)
+    if router is not None:
+        opts["request_router_config"] = router
     return opts
 
 
@@ -122,6 +129,20 @@ def engine_device(model: ModelConfig) -> str:
         return "gpu"
 
 
+def profiler_trace_dir(model: ModelConfig) -> str | None:
+    """Where this model's engines write torch profiler traces: ``engine.profiler_dir/<model slug>`` (None: off)."""
+    d = model.engine.profiler_dir
+    return f"{d.rstrip('/')}/{_slug(model.name)}" if d else None
+
+
+def profiler_config(model: ModelConfig) -> dict[str, Any] | None:
+    """vLLM's ``profiler_config`` engine argument (0.32 has no VLLM_TORCH_PROFILER_DIR any more). Without Python
+    stacks: traces are several times smaller and stopping the profiler is much faster (engine.extra_args
+    ``profiler_config`` replaces all of this)."""
+    d = profiler_trace_dir(model)
+    return {"profiler": "torch", "torch_profiler_dir": d, "torch_profiler_with_stack": False} if d else None
+
+
 NO_MEDIA_DOMAINS = ("media-fetching-disabled.invalid",)
 """vLLM's ``allowed_media_domains`` unless engine.extra_args sets it: ``.invalid`` never resolves (RFC 2606)."""
 
@@ -136,6 +157,8 @@ def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     # vLLM fetches media URLs of any domain when its list is empty or unset; a list that names only a domain
     # that cannot exist makes it fetch none (inline data: URLs still work). engine.extra_args may set it.
     engine_kwargs.setdefault("allowed_media_domains", list(NO_MEDIA_DOMAINS))
+    if (prof := profiler_config(model)) is not None:
+        engine_kwargs.setdefault("profiler_config", prof)
     kwargs: dict[str, Any] = {
         "model_loading_config": {"model_id": model.name, "model_source": model_path},
         "engine_kwargs": engine_kwargs,
@@ -154,15 +177,54 @@ def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     return kwargs
 
 
-def build_model_apps(fleet: FleetConfig, progress: Callable[[str], None] = print) -> list[ModelApp]:
-    """Resolve weights (building built-in models once) and make one Serve LLM application per model."""
+def kv_transfer_config(model: ModelConfig, role: Literal["prefill", "decode"]) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for one pool of a prefill/decode split: prefill produces KV, decode consumes it."""
+    dis = model.deployment.disaggregation
+    if dis is None:
+        raise ValueError(f"model {model.name!r} has no deployment.disaggregation")
+    out: dict[str, Any] = {"kv_connector": dis.kv_connector,
+                           "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"}
+    if dis.kv_connector_options:
+        out["kv_connector_extra_config"] = dict(dis.kv_connector_options)
+    if dis.kv_buffer_device:
+        out["kv_buffer_device"] = dis.kv_buffer_device
+    return out
+
+
+def pool_llm_config_kwargs(model: ModelConfig, model_path: str, role: Literal["prefill", "decode"]) -> dict[str, Any]:
+    """``LLMConfig`` keyword arguments for one pool of a split model: its engine overrides, replicas, KV connector."""
+    kwargs = llm_config_kwargs(model.pool_model(role), model_path)
+    kwargs["engine_kwargs"]["kv_transfer_config"] = kv_transfer_config(model, role)
+    return kwargs
+
+
+def serving_pattern(model: ModelConfig) -> Literal["single", "data_parallel", "prefill_decode"]:
+    """Which Ray Serve LLM builder deploys the model (:func:`bind_app`)."""
+    if model.deployment.disaggregation is not None:
+        return "prefill_decode"
+    return "data_parallel" if model.engine.data_parallel_size > 1 else "single"
+
+
+def model_llm_configs(model: ModelConfig, model_path: str) -> tuple[Any, Any]:
+    """``(llm_config, prefill_llm_config)``: the model's ``LLMConfig`` (the decode pool's for a split model) and the
+    prefill pool's (None unless split)."""
     from ray.serve.llm import LLMConfig
 
+    if serving_pattern(model) != "prefill_decode":
+        return LLMConfig(**llm_config_kwargs(model, model_path)), None
+    return (LLMConfig(**pool_llm_config_kwargs(model, model_path, "decode")),
+            LLMConfig(**pool_llm_config_kwargs(model, model_path, "prefill")))
+
+
+def build_model_apps(fleet: FleetConfig, progress: Callable[[str], None] = print) -> list[ModelApp]:
+    """Resolve weights (building built-in models once) and make one Serve LLM application per model."""
     apps = []
     for model in fleet.models:
+        check_router_available(model)  # before building weights: a missing package is a one-line error
         path = resolve_source(model.source, progress=progress)
         tok = resolve_source(model.tokenizer, progress=progress) if model.tokenizer else path
-        apps.append(resolve_model(model, path, tok, LLMConfig(**llm_config_kwargs(model, path))))
+        llm_config, prefill_llm_config = model_llm_configs(model, path)
+        apps.append(replace(resolve_model(model, path, tok, llm_config), prefill_llm_config=prefill_llm_config))
     return apps
 
 
@@ -178,6 +240,12 @@ def gateway_model_apps(fleet: FleetConfig, progress: Callable[[str], None] = pri
 
 
 def bind_app(app: ModelApp):
-    from ray.serve.llm import build_openai_app
+    """The model's Serve application graph, from Ray Serve LLM's builder for its pattern (no deploy)."""
+    from ray.serve.llm import build_dp_openai_app, build_openai_app, build_pd_openai_app
 
+    pattern = serving_pattern(app.cfg)
+    if pattern == "prefill_decode":
+        return build_pd_openai_app({"prefill_config": app.prefill_llm_config, "decode_config": app.llm_config})
+    if pattern == "data_parallel":
+        return build_dp_openai_app({"llm_config": app.llm_config})
     return build_openai_app({"llm_configs": [app.llm_config]})

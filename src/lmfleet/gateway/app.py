@@ -35,6 +35,8 @@ from lmfleet.gateway.run import DisconnectWatch, RelayResponse, RequestRun
 from lmfleet.gateway.service import Gateway
 from lmfleet.gateway.tracing import RequestTracer
 from lmfleet.gateway.validation import Kind, check_content_parts, check_prompt_count, check_size, validate_request
+from lmfleet.overflow.ledger.sqlite import Ledger
+from lmfleet.overflow.store import SqliteSpendStore, StoreUnavailable
 from lmfleet.tenants import (
     PRIORITY_HEADER,
     PriorityHeaderError,
@@ -44,6 +46,7 @@ from lmfleet.tenants import (
     model_refusal,
     requested_class,
 )
+from lmfleet.tenants.admin import TenantAdmin, TenantSettingsError
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -239,18 +242,24 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
     """The ASGI app around an assembled :class:`Gateway` (use :func:`lmfleet.gateway.build_gateway`).
     ``trusted_hosts``: the Host names it answers (None: any)."""
     cfg = cfg or GatewayConfig()
+    tenant_admin = _tenant_admin(gw)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         gw.start()
+        poll = (asyncio.create_task(tenant_admin.poll_forever())
+                if tenant_admin is not None and tenant_admin.store is not None else None)
         try:
             yield
         finally:
+            if poll is not None:
+                poll.cancel()
             await gw.close()
 
     app = GatewayApp(title="lmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if cfg.openapi else None)
     app.state.gateway = gw
+    app.state.tenant_admin = tenant_admin
 
     # ---- errors: every kind becomes an OpenAI-shaped body here -----------------------------------
     @app.exception_handler(GatewayError)
@@ -297,6 +306,7 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
             check_size(req, model.app.max_model_len)
             size = await model.prompt_size(req)
             plan = await gw.router.route(model, tenant, cls, size.tokens)
+            gw.metrics.observe_prepare(model.name, time.monotonic() - t0)  # the gateway phase (lmfleet profile)
             return RequestRun(model, req, path, plan, size, t0, gw.recorder), req.stream
         except GatewayError as e:
             gw.recorder.count_error(model_name, e.status, tenant.name if tenant is not None else None)
@@ -332,13 +342,75 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
         queues = {n: {"capacity": m.queue.capacity, "running": m.queue.running, "waiting": len(m.queue.waiting)}
                   for n, m in gw.models.items() if m.queue is not None}
         return {"classes": [c.model_dump() for c in book.classes] if book is not None else [],
-                "tenants": tenant_report(gw.tenants, book), "local_queues": queues}
+                "tenants": tenant_report(gw.tenants, book, tenant_admin), "local_queues": queues}
+
+    @app.put("/admin/tenants/{name}")
+    async def admin_put_tenant(name: str, request: Request) -> dict[str, Any]:
+        """Change a tenant's limits, models or classes now, in every gateway process, kept across restarts: the
+        fields given replace the current ones (``limits`` field by field). The tenant's effective settings."""
+        body = await read_json(request, cfg.max_body_bytes, cfg.body_timeout_s)
+        admin = _admin_of(tenant_admin, name)
+        try:
+            settings = await admin.update(name, body)
+        except TenantSettingsError as e:
+            raise GatewayError(400, e.message, param=e.param, code="invalid_tenant_settings") from None
+        except StoreUnavailable as e:
+            raise GatewayError(503, f"The tenant settings cannot be saved now (nothing changed): {e}") from None
+        log.info("admin: tenant %s settings set to %s", name, settings.model_dump_json())
+        return {"tenant": name, "persisted": admin.store is not None,
+                **tenant_report(gw.tenants, gw.router.tenants, admin)[name]}
+
+    @app.delete("/admin/tenants/{name}")
+    async def admin_revert_tenant(name: str) -> dict[str, Any]:
+        """Back to the tenant's settings in fleet.yaml (in every gateway process)."""
+        admin = _admin_of(tenant_admin, name)
+        try:
+            await admin.revert(name)
+        except StoreUnavailable as e:
+            raise GatewayError(503, f"The tenant settings cannot be saved now (nothing changed): {e}") from None
+        log.info("admin: tenant %s back to its fleet.yaml settings", name)
+        return {"tenant": name, **tenant_report(gw.tenants, gw.router.tenants, admin)[name]}
 
     app.include_router(ops_routes(gw, cfg))
     return app
 
 
-def tenant_report(directory: TenantDirectory, book: TenantBook | None) -> dict[str, Any]:
+def _tenant_admin(gw: Gateway) -> TenantAdmin | None:
+    """Run-time tenant settings (None without ``tenants:``), persisted in the spend store's database: the one the
+    gateway opened, else one opened on the SQLite ledger's file (closed with the ledger). A PostgreSQL ledger without
+    a spend store keeps changes in memory only (``persisted: false``)."""
+    book = gw.router.tenants
+    if book is None or not any(m.queue is not None for m in gw.models.values()):
+        return None
+    store = gw.recorder.store
+    if store is None and isinstance(gw.recorder.ledger, Ledger):
+        try:
+            store = gw.recorder.store = SqliteSpendStore(gw.recorder.ledger.path)
+        except StoreUnavailable as e:
+            log.error("tenant settings: cannot open the ledger's database (%s); admin changes stay in memory", e)
+    if store is None:
+        log.warning("tenant settings: no spend store in this gateway; PUT /admin/tenants changes are kept in "
+                    "memory only (lost at restart, not shared across processes)")
+    admin = TenantAdmin(gw.tenants, book, gw.router.tenant_caps, served=list(gw.models), store=store,
+                        spend_caps=gw.router.guard is not None)
+    admin.load()
+    return admin
+
+
+def _admin_of(admin: TenantAdmin | None, name: str) -> TenantAdmin:
+    """``admin`` when ``name`` is one of its tenants, else a 404 (the name is echoed only when it is a valid one)."""
+    if admin is None:
+        raise GatewayError(404, "No tenants are configured (fleet.yaml `tenants:`).", param="name",
+                           code="tenant_not_found")
+    if name not in admin.directory.tenants:
+        shown = repr(name) if len(name) <= 63 and name.replace("-", "").replace("_", "").isalnum() else "that name"
+        raise GatewayError(404, f"No tenant named {shown}; tenants: {sorted(admin.directory.tenants)}.",
+                           param="name", code="tenant_not_found")
+    return admin
+
+
+def tenant_report(directory: TenantDirectory, book: TenantBook | None,
+                  admin: TenantAdmin | None = None) -> dict[str, Any]:
     """``GET /admin/tenants``: per tenant its limits, models, classes and, per gateway process, what it uses."""
     out: dict[str, Any] = {}
     now = book.clock() if book is not None else time.time()
@@ -352,5 +424,6 @@ def tenant_report(directory: TenantDirectory, book: TenantBook | None) -> dict[s
         out[name] = {"limits": t.limits.model_dump(), "models": sorted(t.models) or None,
                      "priority": t.priority.name, "max_priority": t.max_priority.name,
                      "batch_may_use_providers": t.batch_may_use_providers,
-                     "in_flight": book.in_flight.get(name, 0) if book is not None else None, "windows": windows}
+                     "in_flight": book.in_flight.get(name, 0) if book is not None else None, "windows": windows,
+                     **(admin.source(name) if admin is not None else {"source": "fleet.yaml"})}
     return out

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from lmfleet.overflow.engine_stats import ReplicaTable
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
+_PREPARE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
 class GatewayMetrics:
@@ -49,3 +55,47 @@ class GatewayMetrics:
                                        "deadline).", ["tenant", "reason"], registry=r)
         self.tenant_tokens = Counter("lmfleet_tenant_tokens", "Tokens of served requests, by tenant and kind.",
                                      ["tenant", "kind"], registry=r)
+        # per engine replica, from Ray's metrics pages (gateway.engine_metrics_poll_s): the label set is the
+        # replicas alive at the last poll (reset at each), so it stays bounded
+        self.replica_running = Gauge("lmfleet_replica_requests_running", "Requests running in one replica's engine.",
+                                     ["model", "replica"], registry=r)
+        self.replica_waiting = Gauge("lmfleet_replica_requests_waiting", "Requests waiting in one replica's engine.",
+                                     ["model", "replica"], registry=r)
+        self.replica_finished = Gauge("lmfleet_replica_requests_finished", "Requests one replica's engine finished "
+                                      "since it started (vLLM request_success): the share per replica shows "
+                                      "where the request router sends traffic.", ["model", "replica"], registry=r)
+        self.replica_prefix_hits = Gauge("lmfleet_replica_prefix_cache_hit_tokens", "Prompt tokens found in one "
+                                         "replica's prefix cache since its engine started (vLLM prefix_cache_hits).",
+                                         ["model", "replica"], registry=r)
+        self.replica_prefix_queries = Gauge("lmfleet_replica_prefix_cache_query_tokens", "Prompt tokens looked up "
+                                            "in one replica's prefix cache since its engine started (vLLM "
+                                            "prefix_cache_queries).", ["model", "replica"], registry=r)
+        self.replica_imbalance = Gauge("lmfleet_replica_load_imbalance", "Busiest minus least busy replica's requests "
+                                       "in the engine (running + waiting), per model (docs/routing.md).", ["model"],
+                                       registry=r)
+        self.prepare = Histogram("lmfleet_gateway_prepare_seconds", "Time in the gateway before the first upstream "
+                                 "call (body, validation, tokenizing, routing), by model (lmfleet profile).",
+                                 ["model"], buckets=_PREPARE_BUCKETS, registry=r)
+        self._prepare_children: dict[str, Any] = {}
+
+    def observe_prepare(self, model: str, seconds: float) -> None:
+        """One request's gateway phase; ``model`` is a served model's name (the label set stays bounded)."""
+        child = self._prepare_children.get(model)
+        if child is None:
+            child = self._prepare_children[model] = self.prepare.labels(model)
+        child.observe(seconds)
+
+    def set_replicas(self, table: "ReplicaTable") -> None:
+        """Publish the latest per-replica engine figures; replicas gone since the last poll disappear."""
+        from lmfleet.overflow.engine_stats import imbalance
+
+        gauges = (self.replica_running, self.replica_waiting, self.replica_finished, self.replica_prefix_hits,
+                  self.replica_prefix_queries)
+        for g in (*gauges, self.replica_imbalance):
+            g.clear()
+        for model, replicas in table.items():
+            for rid, st in replicas.items():
+                for g, v in zip(gauges, (st.running, st.waiting, st.requests, st.prefix_cache_hits,
+                                         st.prefix_cache_queries)):
+                    g.labels(model, rid).set(v)
+            self.replica_imbalance.labels(model).set(imbalance(replicas))

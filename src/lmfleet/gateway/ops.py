@@ -16,6 +16,7 @@ from lmfleet.gateway.dashboard import dashboard_routes
 from lmfleet.gateway.errors import GatewayError
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import OverflowMode
+from lmfleet.overflow.engine_stats import ReplicaStats, imbalance
 from lmfleet.overflow.ledger import Grouping
 from lmfleet.overflow.store import StoreUnavailable
 
@@ -35,6 +36,20 @@ def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
     def _publish_readiness() -> None:
         for n, h in health.models.items():
             metrics.model_ready.labels(n).set(1 if h.ready else 0)
+
+    def _served_replicas() -> dict[str, dict[str, ReplicaStats]]:
+        """The engine poller's latest per-replica figures, for the models this gateway serves."""
+        table = gw.engine_stats.replicas if gw.engine_stats is not None else {}
+        return {n: table[n] for n in gw.models if n in table}
+
+    def _routing_state(name: str, router: str) -> dict[str, Any]:
+        """How requests spread over the model's replicas (docs/routing.md); figures as old as the last poll."""
+        replicas = _served_replicas().get(name, {})
+        total = sum(replicas.values(), ReplicaStats())
+        rate = total.prefix_cache_hit_rate
+        return {"request_router": router, "load_imbalance": imbalance(replicas),
+                "prefix_cache_hit_rate": None if rate is None else round(rate, 4),
+                "replicas": {rid: st.as_dict() for rid, st in sorted(replicas.items())}}
 
     @r.get("/health")
     async def liveness() -> dict[str, str]:
@@ -69,6 +84,7 @@ def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
         for p in gw.providers.values():
             for n in p.cfg.model_map:
                 metrics.in_flight.labels(n, p.label).set(p.in_flight)
+        metrics.set_replicas(_served_replicas())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @r.get("/admin/state")
@@ -84,6 +100,7 @@ def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
                 "mode": m.mode.value, "overflowing": m.hysteresis.overflowing, "drain_rps": s.drain_rps,
                 "recent_ttft_s": s.ttft_s, "base_ttft_s": s.base_ttft_s,
                 "engine_running": s.engine_running, "engine_waiting": s.engine_waiting,
+                **_routing_state(n, m.app.cfg.deployment.request_router),
             }
         for n, p in gw.providers.items():
             out["providers"][n] = {"breaker": p.breaker.state().value, "in_flight": p.in_flight,
@@ -133,4 +150,7 @@ def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
                 "total": total.as_dict()}
 
     r.include_router(dashboard_routes(gw))  # /dashboard (the page) and /admin/dashboard.json (its data)
+    from lmfleet.profile.admin import profile_routes  # here: lmfleet.profile.admin imports the gateway's parts
+
+    r.include_router(profile_routes(gw, max_body_bytes=cfg.max_body_bytes))  # /admin/profile/* (lmfleet profile)
     return r

@@ -9,7 +9,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
-from lmfleet.overflow.engine_stats import apply_engine_queues, parse_pages
+from lmfleet.overflow.engine_stats import (EngineQueue, ReplicaTable, apply_engine_queues, parse_pages,
+                                           parse_replica_pages)
 from lmfleet.overflow.signals import LoadTracker
 
 log = logging.getLogger("lmfleet.gateway")
@@ -22,23 +23,36 @@ class EngineStatsPoller:
         self.trackers = trackers
         self._fetch = fetch
         self.period_s = period_s
+        self.replicas: ReplicaTable = {}
+        """Latest per-replica figures (load, prefix-cache hits) per model, for /admin/state and /metrics."""
+
+    @property
+    def fetch(self) -> Callable[[], list[str]]:
+        """The metrics-page fetcher (blocking), also read by ``lmfleet profile``'s snapshot."""
+        return self._fetch
 
     def apply(self, texts: list[str]) -> None:
         apply_engine_queues(self.trackers, parse_pages(texts))
+        self.replicas = parse_replica_pages(texts)
 
     async def run(self) -> None:
         failures = 0
         while True:
             try:
                 # fetch and parse off the event loop (a Ray metrics page is ~1 MB): only the sums come back
-                queues = await asyncio.to_thread(lambda: parse_pages(self._fetch()))
+                queues, replicas = await asyncio.to_thread(lambda: _parse_both(self._fetch()))
                 apply_engine_queues(self.trackers, queues)
+                self.replicas = replicas
                 failures = 0
             except Exception as e:  # the estimate falls back to gateway-side signals; say so once
                 failures += 1
                 if failures == 1:
                     log.warning("engine metrics unavailable (%s); the queue estimate uses gateway signals only", e)
             await asyncio.sleep(self.period_s)
+
+
+def _parse_both(texts: list[str]) -> tuple[dict[str, EngineQueue], ReplicaTable]:
+    return parse_pages(texts), parse_replica_pages(texts)
 
 
 def ray_metrics_fetcher(timeout_s: float = 2.0) -> Callable[[], list[str]]:

@@ -225,7 +225,13 @@ class Router:
         Raises a 429 :class:`GatewayError` when the budget is spent, the local queue is too long and the
         fleet is configured to reject rather than queue, or when the tenant's admission refuses it.
         """
-        estimate = self.estimate(m)
+        signals = None
+        if cls is not None and m.queue is not None:
+            behind = m.queue.waiting_behind(cls.order)
+            if behind:  # queued lower classes yield to this one: it does not wait behind them
+                snap = m.local.tracker.snapshot()
+                signals = dataclasses.replace(snap, in_flight=max(0, snap.in_flight - behind))
+        estimate = self.estimate(m, signals)
         m.last_estimate_ms = estimate
         self._child(self.metrics.queue_estimate, m.name).set(estimate)
         candidates = [ProviderCandidate(p.name, p.cfg.model_map, p.healthy(), p.in_flight, p.cfg.max_concurrency)

@@ -43,10 +43,17 @@ def external_cost_usd(input_tokens: int, output_tokens: int, price: ProviderPric
 
 
 def local_hourly_cost_usd(model: ModelConfig, *, uses_gpus: bool, replicas: int | None = None) -> float:
-    """Hourly cost of the model's deployment. ``replicas``: those up now (default: the configured minimum)."""
+    """Hourly cost of the model's deployment. ``replicas``: those up now (default: the configured minimum).
+
+    A replica holds data_parallel_size x tensor_parallel_size x pipeline_parallel_size GPUs; a prefill/decode split
+    costs both pools (``replicas`` then scales the decode pool; the prefill pool counts at its configured size)."""
+    if model.deployment.disaggregation is not None:
+        return (local_hourly_cost_usd(model.pool_model("prefill"), uses_gpus=uses_gpus)
+                + local_hourly_cost_usd(model.pool_model("decode"), uses_gpus=uses_gpus, replicas=replicas))
     n = replicas if replicas is not None else model.deployment.min_replicas()
     if uses_gpus:
-        gpus_per_replica = model.engine.tensor_parallel_size * model.engine.pipeline_parallel_size
+        e = model.engine
+        gpus_per_replica = e.data_parallel_size * e.tensor_parallel_size * e.pipeline_parallel_size
         return model.cost.gpu_hour_usd * gpus_per_replica * n
     return model.cost.node_hour_usd * n
 

@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmfleet.overflow.signals import LoadTracker
 
-__all__ = ["EngineQueue", "apply_engine_queues", "merge", "parse_engine_queues", "parse_pages"]
+__all__ = ["EngineQueue", "ReplicaStats", "apply_engine_queues", "imbalance", "merge", "merge_replicas",
+           "parse_engine_queues", "parse_pages", "parse_replica_pages", "parse_replica_stats", "since"]
 
 _RUNNING = {"ray_vllm_num_requests_running", "vllm:num_requests_running"}
 _WAITING = {"ray_vllm_num_requests_waiting", "vllm:num_requests_waiting"}
@@ -87,3 +88,122 @@ def apply_engine_queues(trackers: Mapping[str, LoadTracker], queues: Mapping[str
         q = queues.get(model)
         if q is not None:
             tracker.set_engine_stats(q.running, q.waiting)
+
+
+# ---------------------------------------------------------------------------------------------
+# per replica: load and prefix-cache hits (what cache-aware routing is judged by; docs/routing.md)
+# ---------------------------------------------------------------------------------------------
+_REPLICA_FIELDS = {
+    "vllm_num_requests_running": "running",
+    "vllm_num_requests_waiting": "waiting",
+    "vllm_prefix_cache_hits": "prefix_cache_hits",
+    "vllm_prefix_cache_queries": "prefix_cache_queries",
+    "vllm_request_success": "requests",
+}
+_REPLICA_PREFIXES = ("ray_vllm_num_requests_", "vllm:num_requests_", "ray_vllm_prefix_cache_", "vllm:prefix_cache_",
+                     "ray_vllm_request_success", "vllm:request_success")
+
+
+def _field(sample_name: str) -> str | None:
+    """``ray_vllm_prefix_cache_hits_total`` / ``vllm:prefix_cache_hits_total`` -> ``prefix_cache_hits``."""
+    name = sample_name.removeprefix("ray_").replace(":", "_").removesuffix("_total")
+    return _REPLICA_FIELDS.get(name)
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One replica's engine figures: queue gauges now, and counters since its engine started.
+
+    ``prefix_cache_hits`` / ``prefix_cache_queries`` count prompt *tokens* (vLLM's ``prefix_cache_*`` counters):
+    their ratio is the share of prompt tokens found in the replica's prefix cache. ``requests``: requests the
+    engine finished (vLLM's ``request_success``, every finish reason).
+    """
+
+    running: int = 0
+    waiting: int = 0
+    prefix_cache_hits: float = 0.0
+    prefix_cache_queries: float = 0.0
+    requests: float = 0.0
+
+    def __add__(self, other: "ReplicaStats") -> "ReplicaStats":
+        return ReplicaStats(self.running + other.running, self.waiting + other.waiting,
+                            self.prefix_cache_hits + other.prefix_cache_hits,
+                            self.prefix_cache_queries + other.prefix_cache_queries, self.requests + other.requests)
+
+    @property
+    def load(self) -> int:
+        """Requests in the engine: running plus waiting."""
+        return self.running + self.waiting
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Share of prompt tokens served from the prefix cache (None before any prompt)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries > 0 else None
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        rate = self.prefix_cache_hit_rate
+        return {"running": self.running, "waiting": self.waiting, "requests_finished": int(self.requests),
+                "prefix_cache_hits": int(self.prefix_cache_hits), "prefix_cache_queries": int(self.prefix_cache_queries),
+                "prefix_cache_hit_rate": None if rate is None else round(rate, 4)}
+
+
+ReplicaTable = dict[str, dict[str, ReplicaStats]]
+"""model name -> replica id (Ray Serve's ``ReplicaId`` label; ``""`` for a bare vLLM server) -> figures."""
+
+
+def parse_replica_stats(text: str) -> ReplicaTable:
+    """Per model and replica, the queue gauges and prefix-cache/request counters in ``text`` (engines of one
+    replica summed). Counters may carry Prometheus' ``_total`` suffix or not; other metrics are skipped."""
+    lines = [ln for ln in text.splitlines() if ln.startswith(_REPLICA_PREFIXES)]
+    if not lines:
+        return {}
+    try:
+        families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
+    except ValueError:
+        return {}
+    out: ReplicaTable = {}
+    for fam in families:
+        for s in fam.samples:
+            field_name = _field(s.name)
+            model = s.labels.get("model_name")
+            if field_name is None or not model or s.value != s.value or s.value < 0:
+                continue
+            value = int(round(s.value)) if field_name in ("running", "waiting") else float(s.value)
+            replicas = out.setdefault(model, {})
+            replica = s.labels.get("ReplicaId", "")
+            replicas[replica] = replicas.get(replica, ReplicaStats()) + ReplicaStats(**{field_name: value})
+    return out
+
+
+def merge_replicas(pages: list[ReplicaTable]) -> ReplicaTable:
+    """Several pages (one per node) in one table; a replica seen on two pages is summed."""
+    out: ReplicaTable = {}
+    for page in pages:
+        for model, replicas in page.items():
+            mine = out.setdefault(model, {})
+            for rid, st in replicas.items():
+                mine[rid] = mine.get(rid, ReplicaStats()) + st
+    return out
+
+
+def parse_replica_pages(texts: list[str]) -> ReplicaTable:
+    return merge_replicas([parse_replica_stats(t) for t in texts])
+
+
+def since(before: Mapping[str, ReplicaStats], after: Mapping[str, ReplicaStats]) -> dict[str, ReplicaStats]:
+    """Per replica of ``after``: counters accumulated since ``before`` (gauges as in ``after``). A replica that is
+    new, or whose counters went down (its engine restarted), counts from zero."""
+    out = {}
+    for rid, a in after.items():
+        b = before.get(rid)
+        if b is None or a.prefix_cache_queries < b.prefix_cache_queries or a.requests < b.requests:
+            b = ReplicaStats()
+        out[rid] = ReplicaStats(a.running, a.waiting, a.prefix_cache_hits - b.prefix_cache_hits,
+                                a.prefix_cache_queries - b.prefix_cache_queries, a.requests - b.requests)
+    return out
+
+
+def imbalance(replicas: Mapping[str, ReplicaStats]) -> int:
+    """Busiest minus least busy replica's requests in the engine (0 with fewer than two replicas)."""
+    loads = [st.load for st in replicas.values()]
+    return max(loads) - min(loads) if len(loads) > 1 else 0

@@ -45,12 +45,18 @@ def local_capacity(model: ModelConfig, replicas: int | None = None) -> int:
     The per-replica limit is ``min(max_ongoing_requests, engine.max_num_seqs)`` (Ray Serve sends a
     replica at most ``max_ongoing_requests``; vLLM runs at most ``max_num_seqs`` of them).
     ``replicas``: the number currently up (autoscaling), else the configured minimum.
+
+    Data parallel (``engine.data_parallel_size`` = D): each replica is D ranks, each its own Serve replica with its
+    own request cap, so a replica runs D x the per-rank limit. A prefill/decode split: the decode pool's, where
+    requests spend their time generating (``replicas`` then counts decode replicas).
     """
+    if model.deployment.disaggregation is not None:
+        return local_capacity(model.pool_model("decode"), replicas)
     per_replica = model.deployment.max_ongoing_requests
     if model.engine.max_num_seqs is not None:
         per_replica = min(per_replica, model.engine.max_num_seqs)
     n = replicas if replicas is not None else model.deployment.min_replicas()
-    return max(1, n) * per_replica
+    return max(1, n) * per_replica * model.engine.data_parallel_size
 
 
 def estimate_wait_ms(

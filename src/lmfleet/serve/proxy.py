@@ -82,6 +82,9 @@ def serve_env(fleet: FleetConfig, ports: HaproxyPorts | None = None) -> dict[str
         env[THROUGHPUT_OPTIMIZED] = "1"
         if ports is not None:
             env |= {STATS_PORT: str(ports.stats), METRICS_PORT: str(ports.metrics), FALLBACK_PORT: str(ports.fallback)}
+        from lmfleet.engine.routing import routing_env
+
+        env |= routing_env(fleet)  # routers that read the prompt need HAProxy to forward request bodies
     return env
 
 

@@ -8,8 +8,10 @@
                    shared store, admission and counting in one transaction across processes and nodes
     shared.py      SharedLimits: the spend store's database as that shared store; fails open to limit/workers
     fairness.py    next_to_dispatch(): classes strictly, tenants least-recently-served, FIFO within a tenant
+    admin.py       TenantAdmin: settings changed at run time (PUT /admin/tenants/NAME): validated, persisted in
+                   the spend store's database, applied in every gateway process (each polls for changes)
 
-All pure but ``shared.py`` (the database, through the spend store) and reading key sources in
+All pure but ``shared.py`` and ``admin.py`` (the database, through the spend store) and reading key sources in
 ``TenantDirectory.build``. The config models are in
 ``lmfleet.config.tenants``; how the gateway will call these is in docs/tenants.md.
 """

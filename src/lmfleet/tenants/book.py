@@ -91,6 +91,26 @@ class TenantBook:
         """Does ``tenant`` have a rate or concurrency limit (else admission only classifies)?"""
         return tenant.name in self._limited
 
+    def set_limits(self, tenant: Tenant) -> None:
+        """``tenant``'s limits changed at run time: its windows take the new limits and keep what they counted (a
+        limit lowered below what was used refuses until the window slides); a limit lifted drops its window."""
+        name, lim = tenant.name, tenant.limits
+        u = self.usage.get(name, _NO_USAGE)
+
+        def resized(w: RateWindow | None, limit: int | None) -> RateWindow | None:
+            if limit is None:
+                return None
+            return RateWindow(limit, self.window_s) if w is None else replace(w, limit=limit)
+
+        self.usage[name] = TenantUsage(resized(u.requests, lim.requests_per_minute),
+                                       resized(u.tokens, lim.tokens_per_minute))
+        self.in_flight.setdefault(name, 0)
+        self._free.setdefault(name, Ticket(None, name))
+        if _limited(tenant):
+            self._limited.add(name)
+        else:
+            self._limited.discard(name)
+
     def admit(self, tenant: Tenant, cls: PriorityClass, *, estimate_ms: float, threshold_ms: float,
               provider_ok: bool, prompt_tokens: int = 0, budget_left_usd: float | None = None) -> Admission:
         """:func:`lmfleet.tenants.admit` with this tenant's live usage (nothing is counted: see :meth:`take`)."""

@@ -124,6 +124,19 @@ class TenantDirectory:
             return None
         return self._by_digest.get(digest(key))
 
+    def replace(self, tenant: Tenant) -> None:
+        """Put ``tenant`` (new settings, same name and keys) in place of the one of that name: every key of the
+        tenant resolves to it from now on (run-time changes, :mod:`lmfleet.tenants.admin`). Each dict item is
+        swapped in one step, so a lookup on the event loop sees the old tenant or the new one."""
+        if tenant.name not in self.tenants:
+            raise KeyError(tenant.name)
+        by_name: dict[str, Tenant] = self.tenants  # type: ignore[assignment]  # built as dicts in build()
+        by_name[tenant.name] = tenant
+        by_digest: dict[bytes, Tenant] = self._by_digest  # type: ignore[assignment]
+        for d, t in list(by_digest.items()):
+            if t.name == tenant.name:
+                by_digest[d] = tenant
+
     @classmethod
     def build(cls, tenants: Sequence[TenantConfig], classes: Sequence[PriorityClass], *, gateway: Any = None,
               environ: Mapping[str, str]) -> "TenantDirectory":

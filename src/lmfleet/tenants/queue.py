@@ -38,6 +38,8 @@ class DispatchQueue:
         self.running = 0
         self.waiting: dict[Waiting, asyncio.Future[None]] = {}
         self.last_served: dict[str, int] = {}
+        self._by_order: dict[int, int] = {}
+        """How many wait per class order (few classes: counting those behind a class is O(classes))."""
         self._arrivals = itertools.count()
         self._dispatches = itertools.count()
 
@@ -59,6 +61,7 @@ class DispatchQueue:
         w = Waiting(next(self._arrivals), tenant, order)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiting[w] = fut
+        self._by_order[order] = self._by_order.get(order, 0) + 1
         dispatched = False
         try:
             if timeout_s is not None and timeout_s <= 0:
@@ -70,9 +73,22 @@ class DispatchQueue:
         except TimeoutError:
             return False
         finally:
-            self.waiting.pop(w, None)
+            self._drop(w)
             if not dispatched and fut.done() and not fut.cancelled():  # a slot came with the timeout or cancel
                 self.leave()
+
+    def _drop(self, w: Waiting) -> None:
+        if self.waiting.pop(w, None) is not None:
+            n = self._by_order.get(w.order, 0) - 1
+            if n > 0:
+                self._by_order[w.order] = n
+            else:
+                self._by_order.pop(w.order, None)
+
+    def waiting_behind(self, order: int) -> int:
+        """Requests waiting in a class that a request of class ``order`` is dispatched before (a larger order):
+        they do not delay it, so its wait estimate leaves them out."""
+        return sum(n for o, n in self._by_order.items() if o > order)
 
     def leave(self) -> None:
         """Give a slot back; it goes to the waiting request :func:`next_to_dispatch` chooses."""
@@ -80,7 +96,8 @@ class DispatchQueue:
         while self.running < self.capacity and self.waiting:
             w = next_to_dispatch(self.waiting, self.last_served)
             assert w is not None
-            fut = self.waiting.pop(w)
+            fut = self.waiting[w]
+            self._drop(w)
             if fut.done():  # its wait ended (timeout, cancellation) before it could run
                 continue
             self.last_served[w.tenant] = next(self._dispatches)

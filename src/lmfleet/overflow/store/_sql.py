@@ -9,6 +9,7 @@ Tables (one database, beside the ledger's ``requests`` rows)::
     requests       the ledger's rows, exactly as ``overflow.ledger`` (``Ledger``, ``PostgresLedger``) writes and
                    reads them; ``tenant`` (NULL: none known) since schema version 2
     tenant_slots, rate_windows   tenants' requests in flight and rate windows (schema version 3; ``_rate.py``)
+    tenant_overrides             tenant settings changed through the admin API (schema version 4; ``_overrides.py``)
 
 Every reservation runs in one transaction that first locks its keys (SQLite: ``BEGIN IMMEDIATE``, the database's single writer lock; PostgreSQL: ``SELECT
 ... FOR UPDATE`` on one ``budget_keys`` row per key, in key order so two requests never deadlock), so
@@ -31,6 +32,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from lmfleet.overflow.store._overrides import TenantOverrides
 from lmfleet.overflow.store._rate import TenantCounters
 from lmfleet.overflow.store.base import Reservation, Spend, StoreUnavailable, UsageRecord
 from lmfleet.overflow.store.decision import GLOBAL, Cap, Refusal, caps_exceeded, retry_after_s
@@ -57,9 +59,10 @@ def _ledger_insert(q: Query, record: UsageRecord, cost_nusd: int, ts: float) -> 
        record.latency_ms, record.ttft_ms, str(record.status), cost_nusd, record.tenant))
 
 
-class SqlSpendStore(TenantCounters):
+class SqlSpendStore(TenantCounters, TenantOverrides):
     """``SpendStore`` over a SQL database; a backend provides ``_transaction(keys)`` and the schema. Also the
-    tenants' shared rate and concurrency counters (:class:`TenantCounters`)."""
+    tenants' shared rate and concurrency counters (:class:`TenantCounters`) and their settings changed at run
+    time (:class:`TenantOverrides`)."""
 
     def __init__(self, *, ttl_s: float, bucket_s: int, retain_s: float, clock: Callable[[], float]) -> None:
         if ttl_s <= 0 or bucket_s < 1 or retain_s <= 0:

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from lmfleet.overflow.store._overrides import MIGRATION as TENANT_OVERRIDES
 from lmfleet.overflow.store._rate import MIGRATION as TENANT_COUNTERS
 from lmfleet.overflow.store._sql import Query, SqlSpendStore
 from lmfleet.overflow.store.base import SpendStoreError, StoreUnavailable
@@ -71,6 +72,7 @@ CREATE TABLE IF NOT EXISTS spend_buckets (
 """,
     2: "ALTER TABLE requests ADD COLUMN IF NOT EXISTS tenant TEXT",
     3: TENANT_COUNTERS.format(real="DOUBLE PRECISION"),
+    4: TENANT_OVERRIDES.format(int="BIGINT", real="DOUBLE PRECISION"),
 }
 
 

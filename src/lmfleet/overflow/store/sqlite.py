@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from lmfleet.overflow.store._overrides import MIGRATION as TENANT_OVERRIDES
 from lmfleet.overflow.store._rate import MIGRATION as TENANT_COUNTERS
 from lmfleet.overflow.store._sql import Query, SqlSpendStore
 from lmfleet.overflow.store.base import StoreUnavailable
@@ -71,6 +72,7 @@ CREATE TABLE IF NOT EXISTS spend_buckets (
 """,
     2: add_tenant_column,
     3: TENANT_COUNTERS.format(real="REAL"),
+    4: TENANT_OVERRIDES.format(int="INTEGER", real="REAL"),
 }
 
 
