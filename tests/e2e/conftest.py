@@ -37,6 +37,14 @@ TENANT_A_KEY = "sk-lmfleet-test-tenant-a"  # tenants of tests/e2e/test_tenants_e
 TENANT_B_KEY = "sk-lmfleet-test-tenant-b"
 
 
+def fleet_env() -> dict[str, str]:
+    """The environment the shared fleet's file needs (every key its `*_env` settings name): for `lmfleet serve`
+    and for any other process that loads the same file (a second `lmfleet gateway`, the CLI)."""
+    return {**os.environ, "LMFLEET_TEST_API_KEYS": API_KEY, "LMFLEET_TEST_ADMIN_KEY": ADMIN_KEY,
+            "LMFLEET_TEST_PROVIDER_KEY": PROVIDER_KEY, "PYTHONUNBUFFERED": "1",
+            "LMFLEET_TEST_TENANT_A_KEYS": TENANT_A_KEY, "LMFLEET_TEST_TENANT_B_KEYS": TENANT_B_KEY}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -184,9 +192,7 @@ def fleet(tmp_path_factory) -> Fleet:
     from lmfleet.models import resolve_source
 
     work = tmp_path_factory.mktemp("fleet")
-    env = {**os.environ, "LMFLEET_TEST_API_KEYS": API_KEY, "LMFLEET_TEST_ADMIN_KEY": ADMIN_KEY,
-           "LMFLEET_TEST_PROVIDER_KEY": PROVIDER_KEY, "PYTHONUNBUFFERED": "1",
-           "LMFLEET_TEST_TENANT_A_KEYS": TENANT_A_KEY, "LMFLEET_TEST_TENANT_B_KEYS": TENANT_B_KEY}
+    env = fleet_env()
 
     # the external provider: a bare vLLM OpenAI server that really checks its API key
     smol = resolve_source("builtin:smollm2")

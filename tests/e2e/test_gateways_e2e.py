@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import (
-    ADMIN_KEY, API_KEY, PROVIDER_KEY, REPO, VENV_BIN, alive, descendants, end_processes, free_port)
+    API_KEY, REPO, VENV_BIN, alive, descendants, end_processes, fleet_env, free_port)
 
 pytestmark = pytest.mark.e2e
 
@@ -39,8 +39,7 @@ WORKERS = 2  # the second gateway runs two processes on its port: its workers ar
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "LMFLEET_TEST_API_KEYS": API_KEY, "LMFLEET_TEST_ADMIN_KEY": ADMIN_KEY,
-            "LMFLEET_TEST_PROVIDER_KEY": PROVIDER_KEY, "PYTHONUNBUFFERED": "1"}
+    return fleet_env()  # the fleet file names every key variable it needs (tenants included)
 
 
 def _ray_address(fleet) -> str:
