@@ -72,7 +72,13 @@ def test_serve_proxy_switch_serves_through_serves_http_proxy(tmp_path):
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]" and len(lines) >= 8
+        # whole: events, then [DONE]; how many events carry the 8 tokens is vLLM's choice (its output collector
+        # merges deltas a busy consumer has not read yet: 3 events in one loaded CI run, one per token when idle)
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 2, lines
+        import json
+
+        events = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(120) in (0, 130), log.read_text()[-3000:]
         assert alive(seen) == []
