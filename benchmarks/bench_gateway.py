@@ -72,12 +72,18 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
     sem = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
     tokens = 0
+    errors: list[str] = []
 
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         async def worker():
             nonlocal tokens
             async with sem:
-                t, n = await one_stream(client, url, model, prompt, max_tokens, headers)
+                try:
+                    t, n = await one_stream(client, url, model, prompt, max_tokens, headers)
+                except httpx.HTTPError as e:  # counted and reported, not fatal: one failure must not lose the run
+                    errors.append(f"{type(e).__name__}: {e}"[:200])
+                    print(f"  request failed: {errors[-1]}", flush=True)
+                    return
                 ttfts.append(t)
                 tokens += n
 
@@ -86,7 +92,7 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
         await asyncio.gather(*(worker() for _ in range(requests)))
         wall = time.perf_counter() - t0
     return {"ttft_p50_ms": pct(ttfts, 0.5) * 1000, "ttft_p99_ms": pct(ttfts, 0.99) * 1000,
-            "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall}
+            "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall, "errors": len(errors)}
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, headers=None) -> float:
@@ -183,7 +189,7 @@ models:
                     r = asyncio.run(load(url, "smollm2", int(conc), n, args.max_tokens, {}))
                     results[name][conc].append(r)
                     print(f"round {rnd + 1} {name:24s} c={conc:>2}: TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
-                          f"p99 {r['ttft_p99_ms']:7.1f} ms  {r['output_tok_s']:7.1f} tok/s", flush=True)
+                          f"p99 {r['ttft_p99_ms']:7.1f} ms  {r['output_tok_s']:7.1f} tok/s  errors {r['errors']}", flush=True)
 
         def med(name: str, conc: str, key: str) -> float:
             return statistics.median(r[key] for r in results[name][conc])

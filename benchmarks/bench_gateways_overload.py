@@ -112,11 +112,17 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float, hea
     raise TimeoutError(f"{url} not up after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def ray_address(serve_log: Path) -> str:
-    m = re.search(r"lmfleet gateway .*--address (\S+)", serve_log.read_text(errors="replace"))
-    if not m:
-        raise RuntimeError(f"`lmfleet serve` did not print its Ray address:\n{serve_log.read_text()[-3000:]}")
-    return m.group(1)
+def ray_address(serve_log: Path, timeout_s: float = 120.0) -> str:
+    """The Ray address `lmfleet serve` prints once its engines are up (a moment after /ready turns 200)."""
+    t0 = time.monotonic()
+    while True:
+        m = re.search(r"lmfleet gateway .*--address (\S+)", serve_log.read_text(errors="replace"))
+        if m:
+            return m.group(1)
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"`lmfleet serve` did not print its Ray address in {timeout_s:.0f} s:\n"
+                               f"{serve_log.read_text()[-3000:]}")
+        time.sleep(1)
 
 
 def fleet_yaml(args, out: Path, gport: int, sport: int, pport: int) -> str:

@@ -305,3 +305,42 @@ def test_cli_with_an_unreachable_ledger_exits_1_with_one_line(tmp_path, command)
     assert "Traceback" not in out
     errors = [line for line in out.splitlines() if line.startswith("lmfleet: error:")]
     assert len(errors) == 1 and "ledger database" in errors[0] and "not-a-dir" in errors[0], out
+
+
+async def test_a_failing_ledger_write_makes_ready_degraded_and_no_row_is_lost(tmp_path):
+    """The ledger (no budget caps) is locked by another writer: /ready says degraded with the backlog, /metrics
+    shows it, the requests are still answered, and once the lock is gone every row lands."""
+    path = tmp_path / "ledger.sqlite"
+    app = make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m")),
+                       extra={"ledger": {"path": str(path), "connect_timeout_s": 2}})
+    gw = app.state.gateway
+    gw.recorder.retry_first_s = gw.recorder.retry_max_s = 0.05
+    gw.recorder.ledger._db.execute("PRAGMA busy_timeout = 100")  # fail fast (10 s in the product)
+    c = await _client(app)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        assert (await c.get("/ready", headers=ADMIN)).json()["ledger"]["up"] is True
+        blocker.execute("BEGIN IMMEDIATE")
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        deadline = time.monotonic() + 10
+        while gw.recorder.failing_since is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        bare = await c.get("/ready")
+        assert (bare.status_code, bare.json()) == (200, {"ready": True})
+        detail = (await c.get("/ready", headers=ADMIN)).json()
+        assert detail["degraded"] is True and detail["ledger"]["up"] is False, (detail, gw.recorder.failing_since)
+        assert detail["ledger"]["pending_rows"] == 3 and "rows wait in memory" in detail["ledger"]["message"]
+        text = (await c.get("/metrics", headers=ADMIN)).text
+        assert "lmfleet_ledger_write_failing 1.0" in text and "lmfleet_ledger_pending_rows 3.0" in text
+        blocker.execute("ROLLBACK")
+        await asyncio.wait_for(gw.recorder.flush(), 10)
+        detail = (await c.get("/ready", headers=ADMIN)).json()
+        assert detail["degraded"] is False and detail["ledger"] == {
+            "up": True, "pending_rows": 0, "dropped_rows": 0, "failing_for_s": None, "message": "ok"}
+    finally:
+        if blocker.in_transaction:
+            blocker.execute("ROLLBACK")
+        blocker.close()
+        await gw.close()
+    assert len(gw.recorder.ledger.rows()) == 3

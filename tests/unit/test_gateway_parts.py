@@ -253,3 +253,24 @@ def test_taking_usage_from_a_block_matches_the_event_by_event_path(block, wants_
     slow, chunks, slow_usage, done, failed = RequestRun._rewrite(me, sse.split_events(block), None, False, False)
     assert (quick, quick_usage) == (slow, slow_usage) and quick_usage == (3, 2)
     assert sse.count_choices(quick) == chunks and not failed
+
+
+@pytest.mark.parametrize("block, answered", [
+    (b"", False),
+    (b'data: {"choices":[]}\n\n', False),                                     # a usage-only or empty chunk
+    (b': ping\n\n', False),                                                    # a comment
+    (b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n', True),         # vLLM's first chunk
+    (b': ping\n\ndata: {"choices": [{"text":"a"}]}\n\n', True),               # after a comment
+    (b'\n\ndata: [DONE]\n\n', True),                                           # a blank event, then the end
+    (b'data: {"error": {"message": "boom"}}\n\n', True),
+    (b'data: {"choices":[{"text":"a"}]}\n\n' * 40 + b"data: [DONE]\n\n", True),  # a whole answer in one read
+    (b'data: {"choices":[{"text":"a"}]}', False),                              # not a whole event
+])
+def test_first_answer_in_a_block(block, answered):
+    from lmfleet.gateway.sse import first_answer_in, has_choices, split_events
+
+    assert first_answer_in(block) is answered
+    # agrees with looking at every event
+    events = split_events(block) if block.endswith(b"\n\n") else []
+    assert answered == any(has_choices(e) or e.lstrip().startswith(b"data: [DONE]") or b'"error"' in e
+                           for e in events)

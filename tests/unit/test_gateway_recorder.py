@@ -92,3 +92,39 @@ async def test_rows_beyond_the_bound_are_dropped_and_counted():
     for i in range(5):  # writer not started: everything waits
         r.submit(ledger.write(i))
     assert r.pending == 3 and r.dropped == 2
+
+
+async def test_status_shows_the_backlog_while_writes_fail_and_clears_when_they_land():
+    ledger = FakeLedger(10**9, sqlite3.OperationalError("database is locked"))
+    r = recorder(ledger)
+    r.retry_first_s = r.retry_max_s = 0.01
+    r.start()
+    for i in range(3):
+        r.submit(ledger.write(i))
+    deadline = time.monotonic() + 5
+    while r.failing_since is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    st = r.status()
+    assert st is not None and st["up"] is False and st["pending_rows"] == 3 and st["failing_for_s"] >= 0
+    sample = r.metrics.registry.get_sample_value
+    assert sample("lmfleet_ledger_write_failing") == 1 and sample("lmfleet_ledger_pending_rows") == 3
+    ledger.fail = 0  # the database is back
+    await asyncio.wait_for(r.flush(), 5)
+    assert r.status() == {"up": True, "pending_rows": 0, "dropped_rows": 0, "failing_for_s": None}
+    assert sample("lmfleet_ledger_write_failing") == 0 and sample("lmfleet_ledger_pending_rows") == 0
+    assert ledger.rows == [0, 1, 2]
+    await r.close()
+
+
+async def test_a_write_that_cannot_succeed_is_counted_as_dropped():
+    ledger = FakeLedger(1, sqlite3.IntegrityError("constraint failed"))
+    r = recorder(ledger)
+    r.start()
+    r.submit(ledger.write(0))
+    await asyncio.wait_for(r.flush(), 5)
+    assert r.status()["dropped_rows"] == 1 and r.metrics.registry.get_sample_value("lmfleet_ledger_rows_dropped") == 1
+    await r.close()
+
+
+def test_no_ledger_no_status():
+    assert Recorder(GatewayMetrics(), None, {"m"}).status() is None

@@ -446,7 +446,11 @@ class GatewayConfig(_Strict):
         10.0, gt=0, description="Time allowed to receive a request's line and headers before the connection is "
         "closed (slow clients)."
     )
-    keep_alive_s: int = Field(5, ge=1, le=3600, description="Idle keep-alive connections are closed after this.")
+    keep_alive_s: int = Field(
+        75, ge=1, le=3600, description="Idle keep-alive connections are closed after this. Keep it above your "
+        "clients' own idle expiry (httpx and the OpenAI SDK: 5 s, aiohttp: 15 s): a server that closes first races a "
+        "client reusing the connection, and that request fails with a reset (nginx's default is 75 s)."
+    )
     max_connections: int | None = Field(
         1000, ge=1, description="Connections + requests the gateway holds at once; beyond it new requests get 503. "
         "Null: no cap."

@@ -47,6 +47,14 @@ class GatewayMetrics:
         self.budget_store_up = Gauge("lmfleet_budget_store_up", "0 while the budget store (ledger database) cannot "
                                      "be used and paid providers are closed, else 1.", registry=r)
         self.budget_store_up.set(1)
+        self.ledger_pending = Gauge("lmfleet_ledger_pending_rows", "Rows of finished requests waiting to be written "
+                                    "to the ledger (they wait in memory, in order, while its database fails).",
+                                    registry=r)
+        self.ledger_failing = Gauge("lmfleet_ledger_write_failing", "1 while the ledger write at the head of the "
+                                    "queue keeps failing (retried with backoff), else 0.", registry=r)
+        self.ledger_dropped = Gauge("lmfleet_ledger_rows_dropped", "Ledger rows dropped since start: the in-memory "
+                                    "backlog was full, or a write failed for a reason a retry cannot fix.",
+                                    registry=r)
         # per tenant: the label takes configured tenant names (and "default") only, so the set stays bounded
         self.tenant_requests = Counter("lmfleet_tenant_requests", "Requests answered, by tenant and HTTP status "
                                        "(429s from tenant limits included).", ["tenant", "status"], registry=r)

@@ -73,6 +73,12 @@ def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
             body["budget_store"] = {**store, "message": f"paid providers closed: {store['error']}"
                                     if not store["up"] else "ok"}
             body["degraded"] = degraded or not store["up"]
+        ledger = gw.recorder.status()
+        if ledger is not None:  # rows wait in memory, in order, while the ledger's database fails
+            body["ledger"] = {**ledger, "message": "ok" if ledger["up"] else
+                              f"ledger writes failing for {ledger['failing_for_s']} s; {ledger['pending_rows']} "
+                              "rows wait in memory"}
+            body["degraded"] = body["degraded"] or not ledger["up"]
         # 200 while every model can serve (a degraded fleet still takes traffic), 503 otherwise
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -85,6 +91,7 @@ def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
             for n in p.cfg.model_map:
                 metrics.in_flight.labels(n, p.label).set(p.in_flight)
         metrics.set_replicas(_served_replicas())
+        gw.recorder.status()  # the ledger writer's backlog gauges
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @r.get("/admin/state")

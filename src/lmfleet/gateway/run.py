@@ -118,6 +118,17 @@ class Recorder:
             return
         self._queue.put_nowait(write)
 
+    def status(self) -> dict[str, Any] | None:
+        """The ledger writer's state for /ready (None without a ledger); also published to the metrics."""
+        if self.ledger is None:
+            return None
+        failing = self.failing_since is not None
+        self.metrics.ledger_pending.set(self.pending)
+        self.metrics.ledger_failing.set(1 if failing else 0)
+        self.metrics.ledger_dropped.set(self.dropped)
+        return {"up": not failing, "pending_rows": self.pending, "dropped_rows": self.dropped,
+                "failing_for_s": round(time.time() - self.failing_since, 1) if failing else None}
+
     @property
     def pending(self) -> int:
         """Rows submitted and not yet written."""
@@ -159,6 +170,7 @@ class Recorder:
                 delay = min(delay * 2, self.retry_max_s)
                 continue
             except Exception as e:  # would fail again: a full disk must not take the gateway down either
+                self.dropped += 1
                 log.error("ledger write failed and was dropped: %s: %s", type(e).__name__, e)
             if self.failing_since is not None:
                 log.warning("ledger writes resumed after %.1f s", time.time() - self.failing_since)

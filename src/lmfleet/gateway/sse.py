@@ -141,6 +141,20 @@ def count_choices(block: bytes) -> int:
     return block.count(b'"choices":[{') + block.count(b'"choices": [{')
 
 
+def first_answer_in(block: bytes) -> bool:
+    """Whether a block of whole events holds an event that ends the wait for a first answer: one carrying a
+    choice, ``[DONE]`` or an error. Events are looked at one by one only up to the first such one (an engine's
+    first read is one event; a fast upstream's may be the whole answer, which is not taken apart)."""
+    start = 0
+    find = block.find
+    while (i := find(b"\n\n", start)) >= 0:
+        event = block[start:i]
+        if has_choices(event) or event.lstrip().startswith(DONE) or b'"error"' in event:
+            return True
+        start = i + 2
+    return False
+
+
 def has_choices(event: bytes) -> bool:
     """Cheap test for an event that carries a choice (text or delta), without parsing JSON."""
     return b'"choices":[{' in event or b'"choices": [{' in event

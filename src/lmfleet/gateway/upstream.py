@@ -32,7 +32,7 @@ from lmfleet.gateway.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from lmfleet.gateway.sse import SSEEventTooLarge, SSESplitter, has_choices
+from lmfleet.gateway.sse import SSEEventTooLarge, SSESplitter, first_answer_in
 from lmfleet.gateway.streamclient import StreamPool
 from lmfleet.overflow.breaker import parse_retry_after
 
@@ -291,11 +291,11 @@ async def open_stream(ep: Endpoint, path: str, body: dict[str, Any]) -> OpenStre
             raw = await resp.read()
             raise _error_from_response(ep, resp.status, raw, resp.headers)
         splitter = SSESplitter()
-        head: list[bytes] = []
+        head: list[bytes] = []  # whole events as read (one read may carry the first token, the rest and [DONE])
         while chunk := await resp.content.readany():
-            events = splitter.feed(chunk)
-            head.extend(events)  # all of them: one read may carry the first token, the rest and [DONE]
-            if any(has_choices(e) or e.startswith(b"data: [DONE]") or b'"error"' in e for e in events):
+            block = splitter.feed_block(chunk)
+            head.append(block)
+            if block and first_answer_in(block):
                 break
         return OpenStream(ep, resp, splitter, head)
 
