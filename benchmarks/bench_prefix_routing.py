@@ -18,9 +18,12 @@ largest load imbalance /admin/state showed while it ran, and the load average at
 busiest replica taking <= 65 % of requests.
 
 Two engines on a 2-core machine: each engine gets one OpenMP thread and no CPU binding (engine.env), so the OS
-puts them on separate cores. With HAProxy (direct streaming, lmfleet's default), the script sets
-RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 for `lmfleet serve` (lmfleet.engine.routing.routing_env): without
-it HAProxy does not hand the prompt to Serve's router and prefix_aware routes blind.
+puts them on separate cores. With HAProxy (direct streaming, lmfleet's default), `lmfleet serve` itself sets
+RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 (lmfleet.engine.routing.routing_env): without it HAProxy does not
+hand the prompt to Serve's router and prefix_aware routes blind. Under HAProxy, `default` is Ray's
+RoundRobinRouter (Ray's LLM builder picks it for direct streaming when no router is set; docs/routing.md).
+
+Output tok/s counts the tokens of requests started after --warmup, over the phase's wall time after --warmup.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def settle(url: str, wait_s: float) -> dict[str, ReplicaStats]:
     return admin_replicas(url)
 
 
-def summarise(records: list[RequestRecord], wall: float, delta: dict[str, ReplicaStats]) -> dict:
+def summarise(records: list[RequestRecord], wall: float, delta: dict[str, ReplicaStats], warmup: float) -> dict:
     ok = [r for r in records if r.ok and not r.warmup]
     ttft = [r.ttft * 1000 for r in ok]
     total = sum(delta.values(), ReplicaStats())
@@ -111,7 +114,7 @@ def summarise(records: list[RequestRecord], wall: float, delta: dict[str, Replic
     shares = sorted((st.requests / finished for st in delta.values()), reverse=True) if finished else []
     return {"requests": len(records), "ok": len(ok), "errors": len(records) - len([r for r in records if r.ok]),
             "ttft_p50_ms": percentile(ttft, 50) if ttft else None, "ttft_p99_ms": percentile(ttft, 99) if ttft else None,
-            "output_tok_s": sum(r.output_tokens for r in ok) / wall if wall else 0.0,
+            "output_tok_s": sum(r.output_tokens for r in ok) / (wall - warmup) if wall > warmup else 0.0,
             "prefix_cache_hit_rate": total.prefix_cache_hit_rate, "replica_shares": shares,
             "busiest_share": shares[0] if shares else None}
 
@@ -162,8 +165,7 @@ def main() -> None:
             fleet = out / f"fleet_{router}.yaml"
             fleet.write_text(fleet_yaml(args, out, router, gport, sport))
             env = {**os.environ, "BENCH_ADMIN": ADMIN, "LMFLEET_ADMIN_KEY": ADMIN}
-            if args.serve_proxy == "haproxy":
-                env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] = "1"
+            env.pop("RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY", None)  # lmfleet serve sets what it needs
             procs = Procs()
             log = out / f"serve_{router}_r{rnd + 1}.log"
             url = f"http://127.0.0.1:{gport}"
@@ -175,13 +177,15 @@ def main() -> None:
                 print(f"round {rnd + 1} {router}: fleet up in {time.monotonic() - t_start:.0f} s", flush=True)
                 procs.note_descendants()
                 for wname, reqs in workloads.items():
-                    load0 = os.getloadavg()
+                    load0, utc0 = os.getloadavg(), time.strftime("%H:%M:%S", time.gmtime())
                     before = admin_replicas(url)
                     with ImbalanceSampler(url) as sampler:
                         records, wall = phase(url, reqs, args)
                     delta = since(before, settle(url, args.settle_s))
-                    row = {"round": rnd + 1, "router": router, "workload": wname, **summarise(records, wall, delta),
-                           "max_load_imbalance": sampler.max, "loadavg_start": load0, "loadavg_end": os.getloadavg()}
+                    row = {"round": rnd + 1, "router": router, "workload": wname,
+                           **summarise(records, wall, delta, args.warmup), "max_load_imbalance": sampler.max,
+                           "replica_requests": {rid[-6:]: int(st.requests) for rid, st in sorted(delta.items())},
+                           "utc_start": utc0, "loadavg_start": load0, "loadavg_end": os.getloadavg()}
                     results.append(row)
                     print(json.dumps(row), flush=True)
             finally:

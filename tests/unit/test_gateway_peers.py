@@ -343,3 +343,36 @@ def test_served_model_forgets_a_stale_peer_flag():
     assert not m.peers_overflowing(now=100.0 + ServedModel.PEERS_OVERFLOWING_TTL_S + 0.1)
     m.set_peers_overflowing(False, 103.0)
     assert not m.peers_overflowing(now=103.0)
+
+
+class _QueuedRoute(_Route):
+    def __init__(self, capacity: int):
+        super().__init__()
+        from lmfleet.tenants.queue import DispatchQueue
+
+        self.queue = DispatchQueue(capacity)
+
+
+def test_gateway_processes_share_one_local_capacity_through_the_registry():
+    call = FakeRegistry()
+    ra, rb = _QueuedRoute(8), _QueuedRoute(8)
+    a = PeerBoard({"m": LoadTracker(8)}, host="127.0.0.1", port=1, call=call, routes={"m": ra})
+    b = PeerBoard({"m": LoadTracker(8)}, host="127.0.0.1", port=1, call=call, routes={"m": rb})
+    for _ in range(5):
+        assert ra.queue.try_enter()
+    assert a.entry()["models"]["m"]["queue_running"] == 5
+    a.apply(call("report", a.entry()))
+    b.apply(call("report", b.entry()))
+    assert rb.queue.peer_running == 5 and rb.queue.share == 3
+    took = sum(rb.queue.try_enter() for _ in range(8))
+    assert took == 3  # together they run the capacity, not twice it
+    b.apply(call("report", b.entry()))
+    a.apply(call("report", a.entry()))
+    assert ra.queue.peer_running == 3 and ra.queue.share == 5
+
+
+def test_peer_loads_sum_queue_slots():
+    entries = [{"id": "x", "last_seen": 10.0, "models": {"m": {"in_flight": 4, "queue_running": 3}}},
+               {"id": "y", "last_seen": 10.0, "models": {"m": {"in_flight": 1, "queue_running": 1}}},
+               {"id": "me", "last_seen": 10.0, "models": {"m": {"in_flight": 9, "queue_running": 9}}}]
+    assert peer_loads(entries, "me", 10.0)["m"].queue_running == 4

@@ -425,7 +425,7 @@ async def test_the_local_queue_serves_interactive_first_and_enforces_the_batch_d
     assert q.last_served["b"] < q.last_served["a"]  # dispatch numbers: interactive b before batch a
     assert q.running == 0 and not q.waiting and gw.models["m"].local.tracker.in_flight == 0
     queues = (await c.get("/admin/tenants", headers=ADMIN)).json()["local_queues"]
-    assert queues == {"m": {"capacity": 4, "running": 0, "waiting": 0}}
+    assert queues == {"m": {"capacity": 4, "running": 0, "waiting": 0, "peer_running": 0, "share": 4}}
 
 
 async def test_a_client_that_leaves_while_queued_frees_everything(tmp_path):

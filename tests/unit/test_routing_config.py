@@ -10,7 +10,7 @@ from lmfleet.engine.app import llm_config_kwargs, serve_deployment_options
 from lmfleet.engine.routing import (FORWARD_BODY, RouterUnavailable, check_router_available, prefix_aware_kwargs,
                                     routing_env)
 
-PREFIX = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+PREFIX = "lmfleet.engine.prefix_router.PrefixAffinityRouter"
 DEFAULT_PREFIX_KWARGS = {"imbalanced_threshold": 8, "match_rate_threshold": 0.1, "do_eviction": True,
                          "eviction_threshold_chars": 400_000, "eviction_target_chars": 360_000,
                          "eviction_interval_secs": 10}
@@ -44,7 +44,7 @@ def test_router_choice_becomes_serve_request_router_config(deployment, router_co
 
 @pytest.mark.parametrize("router, ray_class", [
     ("default", "PowerOfTwoChoicesRequestRouter"),
-    ("prefix_aware", "PrefixCacheAffinityRouter"),
+    ("prefix_aware", "PrefixAffinityRouter"),
     ("kv_aware", "KVAwareRouter"),
     ("round_robin", "RoundRobinRouter"),
 ])
@@ -57,10 +57,13 @@ def test_real_llm_config_resolves_to_rays_router_class(router, ray_class):
     llm = LLMConfig(**llm_config_kwargs(model, "/weights"))
     rr = RequestRouterConfig(**llm.deployment_config.get("request_router_config", {}))
     assert rr.get_request_router_class().__name__ == ray_class
-    if router == "prefix_aware":  # Ray's router takes exactly these keyword arguments
+    if router == "prefix_aware":  # Ray's router (ours extends it) takes exactly these keyword arguments
         import inspect
 
-        params = inspect.signature(rr.get_request_router_class().initialize_state).parameters
+        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+        assert issubclass(rr.get_request_router_class(), PrefixCacheAffinityRouter)
+        params = inspect.signature(PrefixCacheAffinityRouter.initialize_state).parameters
         assert set(rr.request_router_kwargs) <= set(params)
 
 

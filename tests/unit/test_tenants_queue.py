@@ -121,3 +121,36 @@ async def test_waiting_behind_counts_the_lower_classes_that_yield():
         await _settle()
     assert q.waiting_behind(INTERACTIVE) == 0 and not q._by_order
     await asyncio.gather(*parked, return_exceptions=True)
+
+
+@pytest.mark.parametrize("capacity, peer_running, age_s, share", [
+    (8, 0, 0.0, 8),
+    (8, 3, 0.0, 5),     # the other processes hold 3 of the 8
+    (8, 8, 0.0, 1),     # they hold them all: one slot each still (their count is up to a report old)
+    (8, 20, 0.0, 1),
+    (8, 3, 1.9, 5),
+    (8, 3, 2.1, 8),     # a count that stopped coming no longer counts
+])
+def test_the_share_of_one_capacity_across_gateway_processes(capacity, peer_running, age_s, share):
+    t = [100.0]
+    q = DispatchQueue(capacity, clock=lambda: t[0])
+    q.set_peer_running(peer_running)
+    t[0] += age_s
+    assert q.share == share
+
+
+async def test_a_smaller_share_queues_and_a_larger_one_dispatches_at_once():
+    q = DispatchQueue(capacity=4)
+    q.set_peer_running(2)  # another gateway process runs 2: this one may run 2
+    assert q.try_enter() and q.try_enter() and not q.try_enter()
+    who: list[str] = []
+    tasks = [asyncio.create_task(_park(q, who, "b", BATCH, f"b{i}")) for i in range(2)]
+    await _settle()
+    assert who == [] and len(q.waiting) == 2
+    q.set_peer_running(1)  # the other process finished one: one more here, without waiting for a leave()
+    await _settle()
+    assert who == ["b0"] and q.running == 3
+    q.set_peer_running(0)
+    await _settle()
+    assert who == ["b0", "b1"] and q.running == 4
+    await asyncio.gather(*tasks)

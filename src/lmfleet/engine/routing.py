@@ -7,9 +7,9 @@ request_router  Ray class (``request_router_config.request_router_class``)      
 ==============  =====================================================================  ===========================
 default         ``PowerOfTwoChoicesRequestRouter``: the less loaded of two random       none (not set at all)
                 replicas (Serve's default; we leave ``request_router_config`` unset)
-prefix_aware    ``ray.serve.llm.request_router.PrefixCacheAffinityRouter``             imbalanced_threshold,
-                                                                                       match_rate_threshold,
-                                                                                       do_eviction, eviction_*
+prefix_aware    ``lmfleet.engine.prefix_router.PrefixAffinityRouter``: Ray's           imbalanced_threshold,
+                ``PrefixCacheAffinityRouter`` plus the pick-only path of direct        match_rate_threshold,
+                streaming, where Ray's class never learns where prompts went           do_eviction, eviction_*
 kv_aware        ``ray.serve.llm.request_router.KVAwareRouter`` (alpha): scores          none; Ray also turns on the
                 replicas on the engines' KV-cache events through ai-dynamo's            engines' KV events
                 ``SelectionService`` in the direct-streaming ingress router
@@ -18,8 +18,9 @@ round_robin     ``ray.serve.experimental.round_robin_router.RoundRobinRouter``  
 
 The hot-spot guard is PrefixCacheAffinityRouter's own ``imbalanced_threshold``: before it looks at
 prefixes it reads the candidate replicas' queue lengths (requests in flight per replica, Serve's
-cached probe values) and, when ``max - min > imbalanced_threshold``, routes as the default router
-does. Ray's default is ``inf`` (no guard); ours is ``prefix_aware.imbalance_threshold`` (8).
+cached probe values; on the direct-streaming path, a fresh probe plus the picks made since) and, when
+``max - min > imbalanced_threshold``, ignores prefixes and picks the less loaded replica. Ray's default is
+``inf`` (no guard); ours is ``prefix_aware.imbalance_threshold`` (8).
 
 Direct streaming (``gateway.serve_proxy: haproxy``): HAProxy asks Serve's ingress router where to
 send each request, and by default does not forward the request body to it, so a router that reads
@@ -36,7 +37,8 @@ from typing import Any
 from lmfleet.config.models import DeploymentConfig, FleetConfig, ModelConfig
 
 ROUTER_CLASSES = {
-    "prefix_aware": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
+    # Ray's PrefixCacheAffinityRouter (ray.serve.llm.request_router), fixed for direct streaming
+    "prefix_aware": "lmfleet.engine.prefix_router.PrefixAffinityRouter",
     "kv_aware": "ray.serve.llm.request_router.KVAwareRouter",
     "round_robin": "ray.serve.experimental.round_robin_router.RoundRobinRouter",
 }

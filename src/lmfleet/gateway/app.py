@@ -339,7 +339,8 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
     async def admin_tenants() -> dict[str, Any]:
         """Every tenant's settings and this process's live usage (admin key; no key or digest is shown)."""
         book = gw.router.tenants
-        queues = {n: {"capacity": m.queue.capacity, "running": m.queue.running, "waiting": len(m.queue.waiting)}
+        queues = {n: {"capacity": m.queue.capacity, "running": m.queue.running, "waiting": len(m.queue.waiting),
+                      "peer_running": m.queue.peer_running, "share": m.queue.share}
                   for n, m in gw.models.items() if m.queue is not None}
         return {"classes": [c.model_dump() for c in book.classes] if book is not None else [],
                 "tenants": tenant_report(gw.tenants, book, tenant_admin), "local_queues": queues}

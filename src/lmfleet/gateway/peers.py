@@ -49,6 +49,8 @@ class PeerLoad:
     """Output tokens the others served locally in their cost meters' windows (their share of the local cost)."""
     overflowing: bool = False
     """Some other gateway is overflowing the model (in its hysteresis band): this one's bar is the lower one too."""
+    queue_running: int = 0
+    """Local slots the others' priority queues hold (tenants configured): taken out of this one's share."""
 
 
 def peer_loads(entries: list[dict[str, Any]], self_id: str, now: float, fresh_s: float = FRESH_S
@@ -59,12 +61,13 @@ def peer_loads(entries: list[dict[str, Any]], self_id: str, now: float, fresh_s:
         if e.get("id") == self_id or now - float(e.get("last_seen", 0.0)) > fresh_s:
             continue
         for model, load in (e.get("models") or {}).items():
-            acc = out.setdefault(model, [0, 0.0, 0, 0])
+            acc = out.setdefault(model, [0, 0.0, 0, 0, 0])
             acc[0] += int(load.get("in_flight", 0))
             acc[1] += float(load.get("drain_rps") or 0.0)
             acc[2] += int(load.get("window_tokens") or 0)
             acc[3] += 1 if load.get("overflowing") else 0
-    return {m: PeerLoad(int(n), d, int(k), bool(o)) for m, (n, d, k, o) in out.items()}
+            acc[4] += int(load.get("queue_running") or 0)
+    return {m: PeerLoad(int(n), d, int(k), bool(o), int(q)) for m, (n, d, k, o, q) in out.items()}
 
 
 class GatewayRegistry:
@@ -190,6 +193,8 @@ class PeerBoard:
             route = self.routes.get(name)
             if route is not None:
                 models[name]["overflowing"] = bool(route.hysteresis.overflowing)
+                if getattr(route, "queue", None) is not None:
+                    models[name]["queue_running"] = route.queue.running
         return {"id": self.id, "role": self.role, "node": node_address(), "host": self.host, "port": self.port,
                 "pid": os.getpid(), "started_at": self.started_at, "models": models}
 
@@ -204,6 +209,8 @@ class PeerBoard:
         for name, route in self.routes.items():
             load = loads.get(name)
             route.set_peers_overflowing(load is not None and load.overflowing, self._clock())
+            if getattr(route, "queue", None) is not None:  # one local capacity for the priority queues of all
+                route.queue.set_peer_running(load.queue_running if load is not None else 0)
 
     async def run(self) -> None:
         failures = 0

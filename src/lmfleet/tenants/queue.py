@@ -10,13 +10,20 @@ tenant, then arrival).
     finally: q.leave()                                      # the slot goes to the next one chosen
 
 One per model and gateway process; the gateway builds them only when tenants are configured. With several
-gateway processes each admits ``capacity``, so Ray Serve's own FIFO queue takes the excess (docs/tenants.md).
+gateway processes (workers, or gateways on other nodes) each reports how many local slots it holds through the
+gateway registry (:mod:`lmfleet.gateway.peers`) and :meth:`DispatchQueue.set_peer_running` takes the others' out
+of this one's capacity, so together they run about ``capacity`` at once and the rest waits here, in class order,
+instead of in Ray Serve's FIFO queue. Each process keeps at least one slot (reports are up to a period old; a
+process with none would wait on a stale count), and a count older than ``peer_ttl_s`` no longer counts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
+import time
+from collections.abc import Callable
 
 from lmfleet.tenants.fairness import Waiting, next_to_dispatch
 
@@ -30,12 +37,19 @@ class QueueFull(Exception):
 class DispatchQueue:
     """A bounded priority queue in front of one model's local slots (see the module docstring)."""
 
-    def __init__(self, capacity: int, max_waiting: int = 1024):
+    peer_ttl_s = 2.0
+    """Other processes' slot count older than this no longer counts (their registry reports stopped)."""
+
+    def __init__(self, capacity: int, max_waiting: int = 1024, clock: Callable[[], float] = time.monotonic):
         if capacity < 1 or max_waiting < 0:
             raise ValueError(f"{capacity=} must be >= 1 and {max_waiting=} >= 0")
         self.capacity = capacity
         self.max_waiting = max_waiting
         self.running = 0
+        self.peer_running = 0
+        """Local slots the other gateway processes of the fleet held at their last report."""
+        self._peer_at = -math.inf
+        self._clock = clock
         self.waiting: dict[Waiting, asyncio.Future[None]] = {}
         self.last_served: dict[str, int] = {}
         self._by_order: dict[int, int] = {}
@@ -43,9 +57,23 @@ class DispatchQueue:
         self._arrivals = itertools.count()
         self._dispatches = itertools.count()
 
+    @property
+    def share(self) -> int:
+        """The slots this process may hold now: the capacity less the other processes' fresh count, at least 1."""
+        if self.peer_running and self._clock() - self._peer_at <= self.peer_ttl_s:
+            return max(1, self.capacity - self.peer_running)
+        return self.capacity
+
+    def set_peer_running(self, n: int, now: float | None = None) -> None:
+        """The other gateway processes' local slots in use (summed, from the registry); a larger share
+        dispatches waiting requests at once."""
+        self.peer_running = max(0, int(n))
+        self._peer_at = self._clock() if now is None else now
+        self._dispatch()
+
     def try_enter(self) -> bool:
         """Take a slot now if one is free and nobody waits (no await: the uncontended path costs nothing)."""
-        if self.running < self.capacity and not self.waiting:
+        if self.running < self.share and not self.waiting:
             self.running += 1
             return True
         return False
@@ -93,7 +121,14 @@ class DispatchQueue:
     def leave(self) -> None:
         """Give a slot back; it goes to the waiting request :func:`next_to_dispatch` chooses."""
         self.running = max(0, self.running - 1)
-        while self.running < self.capacity and self.waiting:
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand free slots (within :attr:`share`) to the waiting requests :func:`next_to_dispatch` chooses."""
+        if not self.waiting:
+            return
+        share = self.share
+        while self.running < share and self.waiting:
             w = next_to_dispatch(self.waiting, self.last_served)
             assert w is not None
             fut = self.waiting[w]
