@@ -247,7 +247,8 @@ class DeploymentConfig(_Strict):
         "autoscaling: each pool has its own replica count). Null: every replica does both.",
     )
     request_router: RequestRouterName = Field(
-        "default", description="How Ray Serve picks a replica: default (the less loaded of two random replicas), "
+        "default", description="How Ray Serve picks a replica: default (with direct streaming, HAProxy's leastconn; with "
+        "Serve's proxy, the less loaded of two random replicas), "
         "prefix_aware (the replica whose prefix cache likely holds the prompt's start, within the hot-spot guard "
         "prefix_aware.imbalance_threshold), kv_aware (Ray's KVAwareRouter: scores replicas on the engines' KV-cache "
         "events; needs gateway.serve_proxy: haproxy and the ai-dynamo package), round_robin (strict rotation)."

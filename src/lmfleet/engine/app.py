@@ -248,4 +248,38 @@ def bind_app(app: ModelApp):
         return build_pd_openai_app({"prefill_config": app.prefill_llm_config, "decode_config": app.llm_config})
     if pattern == "data_parallel":
         return build_dp_openai_app({"llm_config": app.llm_config})
+    if skip_ingress_router(app.cfg):
+        # what Ray's direct-streaming builder does (LLMServer as the ingress, its ASGI app built after the engine
+        # starts) minus the LLMRouter peer and the RoundRobinRouter it sets: with HAProxy in front, Serve refuses a
+        # request router class on the ingress deployment and HAProxy balances itself
+        from ray import serve
+        from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+        from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+        return build_llm_deployment(app.llm_config,
+                                    deployment_cls=serve.ingress()(app.llm_config.server_cls or LLMServer))
     return build_openai_app({"llm_configs": [app.llm_config]})
+
+
+def direct_streaming_enabled() -> bool:
+    """Whether Ray Serve LLM's builders run in direct-streaming mode in this process (``lmfleet serve`` sets
+    ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`` before Ray is imported when ``gateway.serve_proxy`` is haproxy)."""
+    from ray.llm._internal.serve.constants import RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING
+
+    return bool(RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING)
+
+
+def skip_ingress_router(model: ModelConfig, direct_streaming: bool | None = None) -> bool:
+    """True when a single-pattern model under direct streaming is deployed without Serve's ingress request router.
+
+    Under direct streaming Ray's builder puts an ``LLMRouter`` deployment in front of the replicas and HAProxy
+    calls it (``POST /internal/route``, one HTTP round trip to a Python replica) before every request, only to
+    learn which replica to use. For ``request_router: default`` there is nothing for it to know: HAProxy's own
+    balancing (``leastconn`` by default, ``RAY_SERVE_HAPROXY_BALANCE_ALGORITHM``) picks the replica with the
+    fewest requests in flight from what it already sees. Measured with ``benchmarks/bench_ttft_path.py``: the
+    router call was most of the time HAProxy's path added over bare vLLM at one stream (docs/benchmarks.md).
+    The routers that need it (prefix_aware, kv_aware, an explicit round_robin) keep it.
+    """
+    if direct_streaming is None:
+        direct_streaming = direct_streaming_enabled()
+    return direct_streaming and serving_pattern(model) == "single" and model.deployment.request_router == "default"

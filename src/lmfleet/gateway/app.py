@@ -47,6 +47,7 @@ from lmfleet.tenants import (
     requested_class,
 )
 from lmfleet.tenants.admin import TenantAdmin, TenantSettingsError
+from lmfleet.tenants.keys import KeyFiles
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -243,23 +244,28 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
     ``trusted_hosts``: the Host names it answers (None: any)."""
     cfg = cfg or GatewayConfig()
     tenant_admin = _tenant_admin(gw)
+    key_files = KeyFiles(gw.tenants)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         gw.start()
         poll = (asyncio.create_task(tenant_admin.poll_forever())
                 if tenant_admin is not None and tenant_admin.store is not None else None)
+        # key files re-read when they change (rotation without a restart), by every gateway process on its own
+        poll_keys = asyncio.create_task(key_files.poll_forever()) if key_files.sources else None
         try:
             yield
         finally:
-            if poll is not None:
-                poll.cancel()
+            for task in (poll, poll_keys):
+                if task is not None:
+                    task.cancel()
             await gw.close()
 
     app = GatewayApp(title="lmfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if cfg.openapi else None)
     app.state.gateway = gw
     app.state.tenant_admin = tenant_admin
+    app.state.key_files = key_files
 
     # ---- errors: every kind becomes an OpenAI-shaped body here -----------------------------------
     @app.exception_handler(GatewayError)
@@ -371,6 +377,21 @@ def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,
             raise GatewayError(503, f"The tenant settings cannot be saved now (nothing changed): {e}") from None
         log.info("admin: tenant %s back to its fleet.yaml settings", name)
         return {"tenant": name, **tenant_report(gw.tenants, gw.router.tenants, admin)[name]}
+
+    @app.post("/admin/keys/reload")
+    async def admin_reload_keys() -> JSONResponse:
+        """Re-read every key file now (this process; the others see a changed file within their poll period).
+        Each tenant's key count (never a key); 422 when a file could not be used (its tenant keeps its keys)."""
+        report = await key_files.reload()
+        body = report.body()
+        log.info("admin: key files re-read: %s", {n: t["keys"] for n, t in body["tenants"].items()})
+        if report.errors:
+            first = report.errors[0]
+            body.update(error_body(f"{len(report.errors)} key file(s) could not be used; their tenants keep the keys "
+                                   f"they hold. First: {first['message']}", param=first["param"],
+                                   code="key_file_unusable"))
+            return JSONResponse(body, status_code=422)
+        return JSONResponse(body)
 
     app.include_router(ops_routes(gw, cfg))
     return app

@@ -6,7 +6,8 @@
 
 The decision itself is :func:`lmfleet.overflow.decide` (a pure function); this module gathers its inputs
 (load, breakers, budget) and turns its answer into backend objects. It does no HTTP: trying the backends
-is :mod:`lmfleet.gateway.run`'s job.
+is :mod:`lmfleet.gateway.run`'s job. A request's predicted local wait is :func:`class_wait_ms` (pure): with
+priority classes, only the requests ahead of it in the local queue count.
 """
 
 from __future__ import annotations
@@ -121,6 +122,27 @@ class PromptSize:
 UNKNOWN_TEMPLATE_TOKENS = 512
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+_NO_WAITING: Mapping[int, int] = MappingProxyType({})
+
+
+def class_wait_ms(signals: QueueSignals, capacity: int, waiting_by_order: Mapping[int, int], order: int | None, *,
+                  cold_service_s: float = 10.0, cold_ttft_s: float = 1.0) -> float:
+    """Predicted local wait (ms) of a request of class ``order`` arriving now: :func:`estimate_wait_ms` over the
+    requests ahead of it, i.e. those running plus those waiting in the local queue in its class or a more urgent
+    one (an order <= ``order``). Requests waiting in a less urgent class are dispatched after it
+    (:func:`lmfleet.tenants.next_to_dispatch`: classes strictly), so they do not delay it and are left out.
+
+    ``signals.in_flight`` counts every local request, those waiting in the gateway's queue included;
+    ``waiting_by_order``: how many of them wait there, per class order (:attr:`DispatchQueue.waiting_by_order`).
+    ``order`` None (no class, or no queue): every request in flight counts, as without tenants. Requests that
+    already left the queue (running, or in the engine's own FIFO queue) are ahead whatever their class.
+    Pure; O(classes).
+    """
+    if order is not None and waiting_by_order:
+        behind = sum(n for o, n in waiting_by_order.items() if o > order)
+        if behind:
+            signals = dataclasses.replace(signals, in_flight=max(0, signals.in_flight - behind))
+    return estimate_wait_ms(signals, capacity, cold_service_s=cold_service_s, cold_ttft_s=cold_ttft_s)
 
 
 @dataclass(frozen=True)
@@ -174,11 +196,15 @@ class Router:
                                param="model", code="model_not_found")
         return m
 
-    def estimate(self, m: ServedModel, signals: QueueSignals | None = None) -> float:
-        """Predicted local wait (ms) for a request of ``m`` arriving now."""
+    def estimate(self, m: ServedModel, signals: QueueSignals | None = None, order: int | None = None) -> float:
+        """Predicted local wait (ms) for a request of ``m`` arriving now; ``order``: its priority class's order
+        (requests waiting in the model's queue in a less urgent class are not ahead of it), None: behind every
+        request in flight (no class; what /admin/state and the dashboard show)."""
         o = m.app.cfg.overflow
-        return estimate_wait_ms(signals or m.local.tracker.snapshot(), m.app.capacity,
-                                cold_service_s=o.cold_service_s, cold_ttft_s=o.cold_ttft_s)
+        q = m.queue
+        waiting = q.waiting_by_order if q is not None and order is not None else _NO_WAITING
+        return class_wait_ms(signals or m.local.tracker.snapshot(), m.app.capacity, waiting, order,
+                             cold_service_s=o.cold_service_s, cold_ttft_s=o.cold_ttft_s)
 
     async def budget_status(self) -> BudgetStatus | None:
         """External spend against the caps (read from the ledger at most once per ``BUDGET_CACHE_S``)."""
@@ -225,13 +251,7 @@ class Router:
         Raises a 429 :class:`GatewayError` when the budget is spent, the local queue is too long and the
         fleet is configured to reject rather than queue, or when the tenant's admission refuses it.
         """
-        signals = None
-        if cls is not None and m.queue is not None:
-            behind = m.queue.waiting_behind(cls.order)
-            if behind:  # queued lower classes yield to this one: it does not wait behind them
-                snap = m.local.tracker.snapshot()
-                signals = dataclasses.replace(snap, in_flight=max(0, snap.in_flight - behind))
-        estimate = self.estimate(m, signals)
+        estimate = self.estimate(m, order=cls.order if cls is not None else None)
         m.last_estimate_ms = estimate
         self._child(self.metrics.queue_estimate, m.name).set(estimate)
         candidates = [ProviderCandidate(p.name, p.cfg.model_map, p.healthy(), p.in_flight, p.cfg.max_concurrency)
@@ -250,7 +270,11 @@ class Router:
                    state=m.hysteresis, mode=mode, enabled=o.enabled or m.mode is OverflowMode.FORCE_ON,
                    budget=budget, on_exhausted=self.budget.on_exhausted, candidates=candidates,
                    store_down=store_down, peers_overflowing=m.peers_overflowing())
-        m.hysteresis = d.state
+        if cls is None or cls.max_wait_s is None or m.queue is None:
+            # with a queue, only requests whose route follows decide() move the model's hysteresis band (reported
+            # to the peers and the dashboard as "overflowing"): a batch request's estimate counts the whole queue,
+            # which an interactive one overtakes, and must not lower the bar interactive requests overflow at
+            m.hysteresis = d.state
         reason: Reason | AdmissionReason = (Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider
                                             else d.reason)
         if tenant is not None and cls is not None and self.tenants is not None:

@@ -10,9 +10,11 @@
     fairness.py    next_to_dispatch(): classes strictly, tenants least-recently-served, FIFO within a tenant
     admin.py       TenantAdmin: settings changed at run time (PUT /admin/tenants/NAME): validated, persisted in
                    the spend store's database, applied in every gateway process (each polls for changes)
+    keys.py        KeyFiles: key files re-read when they change (rotation without a restart; fail safe: a file
+                   that cannot be used keeps the keys in force), POST /admin/keys/reload
 
-All pure but ``shared.py`` and ``admin.py`` (the database, through the spend store) and reading key sources in
-``TenantDirectory.build``. The config models are in
+All pure but ``shared.py`` and ``admin.py`` (the database, through the spend store), ``keys.py`` (stat and read the
+key files) and reading key sources in ``TenantDirectory.build``. The config models are in
 ``lmfleet.config.tenants``; how the gateway will call these is in docs/tenants.md.
 """
 

@@ -8,9 +8,14 @@ The flat ``gateway.api_keys_env``/``api_keys_file`` keys become the tenant ``def
 model, the most urgent class), so a fleet without ``tenants:`` behaves as before. With no key anywhere
 the gateway is open (``is_open``) and every request is the default tenant's.
 
-Keys are hashed once at start; a lookup hashes the presented key and looks the digest up in a dict.
+Keys are hashed when they are loaded; a lookup hashes the presented key and looks the digest up in a dict.
 Timing can reveal at most something about a digest, never about a key (the same argument as comparing
 with ``hmac.compare_digest``). No key, digest or key-file line appears in a repr or an error message.
+
+Each tenant's key source is kept (:class:`KeySource`: the variable and file names, the variable's keys as
+digests), so that :class:`lmfleet.tenants.keys.KeyFiles` can re-read the key files while the gateway runs and
+put the new keys in force with :meth:`TenantDirectory.set_keys`. Keys from environment variables cannot change in
+a running process.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 from lmfleet.config.tenants import DEFAULT_TENANT, PriorityClass, TenantConfig, TenantLimits
 
-__all__ = ["Tenant", "TenantDirectory", "TenantKeyError", "digest", "load_keys"]
+__all__ = ["KeySource", "Tenant", "TenantDirectory", "TenantKeyError", "digest", "load_keys", "read_key_file"]
 
 
 class TenantKeyError(ValueError):
@@ -74,28 +79,52 @@ def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
+def _env_keys(where: str, env_name: str, environ: Mapping[str, str]) -> set[str]:
+    from_env = {k.strip() for k in environ.get(env_name, "").split(",") if k.strip()}
+    if not from_env:
+        raise TenantKeyError(f"{where}.api_keys_env names {env_name}, but that variable is unset or empty. "
+                             f"Export {env_name}=key1,key2 or remove {where}.api_keys_env.")
+    return from_env
+
+
+def read_key_file(where: str, file: str) -> set[str]:
+    """The keys of a key file (one a line, # comments). Raises :class:`TenantKeyError` when it cannot be read or
+    holds no key; the message names ``where`` (``tenants[2]``, ``gateway``) and the file, never a line of it."""
+    path = Path(file).expanduser()
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise TenantKeyError(f"{where}.api_keys_file {str(path)!r} cannot be read: {why}") from None
+    from_file = {ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")}
+    if not from_file:
+        raise TenantKeyError(f"{where}.api_keys_file {str(path)!r} holds no key (only blank or # lines).")
+    return from_file
+
+
 def load_keys(where: str, env_name: str | None, file: str | None, environ: Mapping[str, str]) -> set[str]:
     """Keys from an env var (comma-separated) and/or a file (one a line, # comments). ``where`` is the config
     path for messages (``tenants[2]``, ``gateway``). A configured source that yields no key raises
     :class:`TenantKeyError`: a tenant must never lose its keys silently."""
     keys: set[str] = set()
     if env_name:
-        from_env = {k.strip() for k in environ.get(env_name, "").split(",") if k.strip()}
-        if not from_env:
-            raise TenantKeyError(f"{where}.api_keys_env names {env_name}, but that variable is unset or empty. "
-                                 f"Export {env_name}=key1,key2 or remove {where}.api_keys_env.")
-        keys |= from_env
+        keys |= _env_keys(where, env_name, environ)
     if file:
-        path = Path(file).expanduser()
-        try:
-            lines = path.read_text().splitlines()
-        except OSError as e:
-            raise TenantKeyError(f"{where}.api_keys_file {str(path)!r} cannot be read: {e.strerror or e}") from None
-        from_file = {ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")}
-        if not from_file:
-            raise TenantKeyError(f"{where}.api_keys_file {str(path)!r} holds no key (only blank or # lines).")
-        keys |= from_file
+        keys |= read_key_file(where, file)
     return keys
+
+
+@dataclass(frozen=True)
+class KeySource:
+    """Where one tenant's keys come from (``where``: its config path, ``tenants[2]`` or ``gateway``)."""
+
+    where: str
+    tenant: str
+    env_name: str | None
+    file: str | None
+    """The key file, ``~`` expanded; None: keys from the variable only (they cannot change while running)."""
+    env_digests: frozenset[bytes] = field(default=frozenset(), repr=False)
+    """The variable's keys, hashed: kept beside the file's whenever the file is re-read."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +134,8 @@ class TenantDirectory:
     tenants: Mapping[str, Tenant]
     """By name, in config order, the default tenant first when it exists."""
     _by_digest: Mapping[bytes, Tenant] = field(repr=False)
+    sources: tuple[KeySource, ...] = field(default=(), repr=False)
+    """Each tenant's key source (those with keys), for re-reading key files (:mod:`lmfleet.tenants.keys`)."""
 
     @property
     def is_open(self) -> bool:
@@ -114,6 +145,44 @@ class TenantDirectory:
     @property
     def key_count(self) -> int:
         return len(self._by_digest)
+
+    def key_counts(self) -> dict[str, int]:
+        """How many keys each tenant holds now (every tenant, 0 for one without keys); counts only."""
+        counts = dict.fromkeys(self.tenants, 0)
+        for t in self._by_digest.values():
+            counts[t.name] = counts.get(t.name, 0) + 1
+        return counts
+
+    def digests_by_tenant(self) -> dict[str, frozenset[bytes]]:
+        """Each tenant's key digests in force now (tenants without keys are absent)."""
+        out: dict[str, set[bytes]] = {}
+        for d, t in self._by_digest.items():
+            out.setdefault(t.name, set()).add(d)
+        return {name: frozenset(ds) for name, ds in out.items()}
+
+    def set_keys(self, digests: Mapping[str, frozenset[bytes]]) -> None:
+        """Put these digests (tenant name -> its keys' digests: every tenant with keys) in force: a key not in
+        them stops resolving, a new one resolves to its tenant from now on (key rotation, :mod:`lmfleet.tenants.
+        keys`). New keys are added before old ones are removed, so a lookup never finds the directory empty (an
+        empty one would be open). Requests that resolved their tenant already keep it.
+
+        Raises ValueError, changing nothing, for an unknown tenant, a key held by two tenants, or no key at all
+        in a directory that has keys (that would open every /v1 route)."""
+        new: dict[bytes, Tenant] = {}
+        for name, ds in digests.items():
+            tenant = self.tenants.get(name)
+            if tenant is None:
+                raise ValueError(f"no tenant {name!r} in this directory")
+            for d in ds:
+                other = new.setdefault(d, tenant)
+                if other.name != name:
+                    raise ValueError(f"tenants {other.name!r} and {name!r} would hold the same API key")
+        if not new and self._by_digest:
+            raise ValueError("refusing to remove every key: the gateway would be open to anyone")
+        by_digest: dict[bytes, Tenant] = self._by_digest  # type: ignore[assignment]  # built as a dict in build()
+        by_digest.update(new)
+        for d in [d for d in by_digest if d not in new]:
+            del by_digest[d]
 
     def resolve(self, key: str | None) -> Tenant | None:
         """The tenant holding ``key``; None when no tenant does (answer 401). An open directory answers the
@@ -155,16 +224,20 @@ class TenantDirectory:
             sources.append(("gateway", Tenant.default(classes), flat_env, flat_file))
         for i, t in enumerate(tenants):
             sources.append((f"tenants[{i}]", Tenant.from_config(t, classes), t.api_keys_env, t.api_keys_file))
+        key_sources: list[KeySource] = []
         for where, tenant, env_name, file in sources:
             by_name[tenant.name] = tenant
             owner_path[tenant.name] = where
             if not (env_name or file):
                 continue
-            for key in load_keys(where, env_name, file, environ):
-                d = digest(key)
+            env_digests = frozenset(digest(k) for k in _env_keys(where, env_name, environ)) if env_name else frozenset()
+            file_digests = frozenset(digest(k) for k in read_key_file(where, file)) if file else frozenset()
+            for d in env_digests | file_digests:
                 other = by_digest.get(d)
                 if other is not None and other.name != tenant.name:
                     raise TenantKeyError(f"{where} ({tenant.name!r}) and {owner_path[other.name]} ({other.name!r}) "
                                          "hold the same API key; a key must identify one tenant")
                 by_digest[d] = tenant
-        return cls(by_name, by_digest)
+            key_sources.append(KeySource(where, tenant.name, env_name,
+                                         str(Path(file).expanduser()) if file else None, env_digests))
+        return cls(by_name, by_digest, tuple(key_sources))

@@ -23,7 +23,8 @@ import asyncio
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from lmfleet.tenants.fairness import Waiting, next_to_dispatch
 
@@ -54,6 +55,7 @@ class DispatchQueue:
         self.last_served: dict[str, int] = {}
         self._by_order: dict[int, int] = {}
         """How many wait per class order (few classes: counting those behind a class is O(classes))."""
+        self._by_order_view: Mapping[int, int] = MappingProxyType(self._by_order)
         self._arrivals = itertools.count()
         self._dispatches = itertools.count()
 
@@ -112,6 +114,12 @@ class DispatchQueue:
                 self._by_order[w.order] = n
             else:
                 self._by_order.pop(w.order, None)
+
+    @property
+    def waiting_by_order(self) -> Mapping[int, int]:
+        """How many requests wait now, per class order (a read-only live view; orders with none are absent): what
+        :func:`lmfleet.gateway.router.class_wait_ms` needs to leave the classes that yield out of an estimate."""
+        return self._by_order_view
 
     def waiting_behind(self, order: int) -> int:
         """Requests waiting in a class that a request of class ``order`` is dispatched before (a larger order):
