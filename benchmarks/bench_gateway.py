@@ -11,7 +11,10 @@ most +10 ms P50 TTFT at 1 stream. Also reports start-up time to ready of `lmflee
     .venv/bin/python benchmarks/bench_gateway.py --out out/bench_gateway.json
 
 Engines are measured one at a time (the other idles) to keep the 2-core machine's noise down; each
-phase is repeated --rounds times in rotation and the median is reported.
+phase is repeated --rounds times in rotation and the median is reported. At one stream the paths take turns
+request by request (bare, Serve, lmfleet, bare, ...), so that drift hits them alike (--no-rotate-c1: a phase per
+path, as before 2026-12-01). Issue 11's targets: >= 90 % of bare tok/s at 32 streams, <= +5 ms P50 TTFT at one
+stream, P99 TTFT at 32 streams <= 1.5x bare's.
 """
 
 from __future__ import annotations
@@ -95,6 +98,39 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
             "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall, "errors": len(errors)}
 
 
+async def load_c1_rotated(urls: dict[str, str], model: str, requests: int, max_tokens: int,
+                          headers: dict) -> dict[str, dict]:
+    """One stream at a time, the paths in strict rotation (A B C A B C ...): drift on a shared machine (another
+    process waking up, the load average climbing) then hits every path alike instead of whichever phase it
+    fell in. Per path, the same figures as :func:`load` (tok/s over the time its own requests took)."""
+    prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
+    out = {name: {"ttfts": [], "tokens": 0, "busy_s": 0.0, "errors": []} for name in urls}
+    clients = {name: httpx.AsyncClient(timeout=300) for name in urls}
+    try:
+        for name, url in urls.items():
+            await one_stream(clients[name], url, model, prompt, 4, headers)  # warm the path
+        for _ in range(requests):
+            for name, url in urls.items():
+                o = out[name]
+                t0 = time.perf_counter()
+                try:
+                    t, n = await one_stream(clients[name], url, model, prompt, max_tokens, headers)
+                except httpx.HTTPError as e:
+                    o["errors"].append(f"{type(e).__name__}: {e}"[:200])
+                    print(f"  request failed ({name}): {o['errors'][-1]}", flush=True)
+                    continue
+                o["busy_s"] += time.perf_counter() - t0
+                o["ttfts"].append(t)
+                o["tokens"] += n
+    finally:
+        for c in clients.values():
+            await c.aclose()
+    return {name: {"ttft_p50_ms": pct(o["ttfts"], 0.5) * 1000, "ttft_p99_ms": pct(o["ttfts"], 0.99) * 1000,
+                   "output_tok_s": o["tokens"] / o["busy_s"] if o["busy_s"] else float("nan"),
+                   "requests": requests, "wall_s": o["busy_s"], "errors": len(o["errors"])}
+            for name, o in out.items()}
+
+
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, headers=None) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
@@ -123,6 +159,9 @@ def main() -> None:
     ap.add_argument("--requests-1", type=int, default=12, help="requests at concurrency 1")
     ap.add_argument("--requests-32", type=int, default=96, help="requests at concurrency 32")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-rotate-c1", dest="rotate_c1", action="store_false",
+                    help="measure one stream path by path (a phase each) instead of one request per path in strict "
+                    "rotation (the default since 2026-12-01: drift then hits every path alike)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "bench_gateway.json")
     ap.add_argument("--batching-ms", type=float, default=None,
                     help="lmfleet's deployment.stream_batching_interval_ms (default: Ray Serve's, 50 ms)")
@@ -183,13 +222,21 @@ models:
             "lmfleet gateway": f"http://127.0.0.1:{gport}/v1",
         }
         results: dict[str, dict[str, list[dict]]] = {k: {"1": [], "32": []} for k in targets}
+        def show(rnd: int, name: str, conc: str, r: dict) -> None:
+            print(f"round {rnd + 1} {name:24s} c={conc:>2}: TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+                  f"p99 {r['ttft_p99_ms']:7.1f} ms  {r['output_tok_s']:7.1f} tok/s  errors {r['errors']}", flush=True)
+
         for rnd in range(args.rounds):
+            if args.rotate_c1:
+                rotated = asyncio.run(load_c1_rotated(targets, "smollm2", args.requests_1, args.max_tokens, {}))
+                for name, r in rotated.items():
+                    results[name]["1"].append(r)
+                    show(rnd, name, "1", r)
             for name, url in targets.items():
-                for conc, n in (("1", args.requests_1), ("32", args.requests_32)):
+                for conc, n in ((("1", args.requests_1),) if not args.rotate_c1 else ()) + (("32", args.requests_32),):
                     r = asyncio.run(load(url, "smollm2", int(conc), n, args.max_tokens, {}))
                     results[name][conc].append(r)
-                    print(f"round {rnd + 1} {name:24s} c={conc:>2}: TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
-                          f"p99 {r['ttft_p99_ms']:7.1f} ms  {r['output_tok_s']:7.1f} tok/s  errors {r['errors']}", flush=True)
+                    show(rnd, name, conc, r)
 
         def med(name: str, conc: str, key: str) -> float:
             return statistics.median(r[key] for r in results[name][conc])
@@ -201,7 +248,7 @@ models:
             row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "serve_env": args.serve_env,
+                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "serve_env": args.serve_env,
                    "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
                    "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))

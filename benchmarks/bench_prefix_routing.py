@@ -20,8 +20,8 @@ busiest replica taking <= 65 % of requests.
 Two engines on a 2-core machine: each engine gets one OpenMP thread and no CPU binding (engine.env), so the OS
 puts them on separate cores. With HAProxy (direct streaming, lmfleet's default), `lmfleet serve` itself sets
 RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 (lmfleet.engine.routing.routing_env): without it HAProxy does not
-hand the prompt to Serve's router and prefix_aware routes blind. Under HAProxy, `default` is Ray's
-RoundRobinRouter (Ray's LLM builder picks it for direct streaming when no router is set; docs/routing.md).
+hand the prompt to Serve's router and prefix_aware routes blind. Under HAProxy, `default` is HAProxy's own
+`leastconn` with no ingress router (since 2026-12-01 session 9; Ray's RoundRobinRouter before; docs/routing.md).
 
 Output tok/s counts the tokens of requests started after --warmup, over the phase's wall time after --warmup.
 """
@@ -175,6 +175,9 @@ def main() -> None:
                                 stop_sig=signal.SIGINT)
                 wait_http(f"{url}/ready", p, log, 1500)
                 print(f"round {rnd + 1} {router}: fleet up in {time.monotonic() - t_start:.0f} s", flush=True)
+                # HAProxy may still be reloading with the new replicas right after /ready: requests then go to its
+                # backup (Serve's proxy), a path no phase should measure (seen 2026-12-01)
+                time.sleep(10)
                 procs.note_descendants()
                 for wname, reqs in workloads.items():
                     load0, utc0 = os.getloadavg(), time.strftime("%H:%M:%S", time.gmtime())

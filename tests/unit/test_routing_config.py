@@ -11,7 +11,7 @@ from lmfleet.engine.routing import (FORWARD_BODY, RouterUnavailable, check_route
                                     routing_env)
 
 PREFIX = "lmfleet.engine.prefix_router.PrefixAffinityRouter"
-DEFAULT_PREFIX_KWARGS = {"imbalanced_threshold": 8, "match_rate_threshold": 0.1, "do_eviction": True,
+DEFAULT_PREFIX_KWARGS = {"imbalanced_threshold": 4, "match_rate_threshold": 0.1, "do_eviction": True,
                          "eviction_threshold_chars": 400_000, "eviction_target_chars": 360_000,
                          "eviction_interval_secs": 10}
 
@@ -146,4 +146,4 @@ def test_prefix_aware_defaults_bound_the_imbalance_where_ray_does_not():
 
     ray_default = inspect.signature(PrefixCacheAffinityRouter.initialize_state).parameters["imbalanced_threshold"]
     assert ray_default.default == float("inf")  # if Ray starts bounding it, revisit our default and docs
-    assert prefix_aware_kwargs(DeploymentConfig(request_router="prefix_aware"))["imbalanced_threshold"] == 8
+    assert prefix_aware_kwargs(DeploymentConfig(request_router="prefix_aware"))["imbalanced_threshold"] == 4

@@ -152,3 +152,27 @@ def test_a_burst_of_one_prefix_spreads_once_picks_exceed_the_guard(router):
     assert 4 <= got.count(first) <= 8, got  # then the guard keeps the two within 3 of each other
     router.queue = {"r1": 0, "r2": 0}  # the burst is over: the probe resets the estimate, affinity is back
     assert route(router, SYSTEM_A, "flood 0") == first  # only the first replica holds this whole prompt
+
+
+def _no_prompt(arg) -> SimpleNamespace:
+    """A request as Serve's routing task holds it, whose arguments carry no messages or prompt."""
+    return SimpleNamespace(args=[arg] if arg is not None else [], kwargs={},
+                           metadata=SimpleNamespace(multiplexed_model_id="", request_id="x"),
+                           routing_context=SimpleNamespace(tried_same_node=False, tried_same_az=False,
+                                                           should_backoff=False))
+
+
+@pytest.mark.parametrize("arg", [
+    SimpleNamespace(scope={"type": "http", "path": "/v1/chat/completions"}),  # HAProxy's fallback Serve proxy
+    SimpleNamespace(input="embed me"),  # a body without messages or prompt
+    None,  # no arguments at all
+])
+def test_a_request_without_a_prompt_is_routed_like_the_default_router_and_kept_out_of_the_tree(router, arg):
+    """Ray's class raises ValueError here, inside Serve's routing task: the request was never routed (it hung)."""
+    router.queue = {"r1": 0, "r2": 0}
+    ranks = asyncio.run(router.choose_replicas(router.replicas, _no_prompt(arg)))
+    assert all(r in router.replicas for rank in ranks for r in rank)
+    router.on_request_routed(_no_prompt(arg), router.replicas[0].replica_id, None)
+    assert router._why == {}  # the pick-only decision never ran
+    first = route(router, SYSTEM_A, "after")  # and the tree is still empty: least text, any replica
+    assert router._why == {LEAST_TEXT: 1} and first in {"r1", "r2"}

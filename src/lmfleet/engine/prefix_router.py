@@ -16,6 +16,11 @@ Ray's router then
 and, on the pick-only path (recognised by the request arriving as the ``SimpleNamespace`` LLMRouter builds from
 the body), returns exactly one replica, chosen by :func:`pick` on fresh load estimates (:class:`LoadBook`), and
 inserts the prompt into the tree for it (what ``on_request_routed`` does on Serve's own path).
+
+A request that carries no prompt (no ``messages``/``prompt``: e.g. the raw HTTP request that HAProxy's fallback
+Serve proxy forwards to ``LLMServer`` at start-up or on a pin-miss, or an embeddings body) is routed like the
+default router (power of two choices) and left out of the tree. Ray's class raises ``ValueError`` there, inside
+Serve's routing task, and the request is never routed: it hangs until a timeout (seen 2026-12-01, docs/routing.md).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.llm.request_router import PrefixCacheAffinityRouter
 
 logger = logging.getLogger("ray.serve")
@@ -111,14 +117,27 @@ class PrefixAffinityRouter(PrefixCacheAffinityRouter):
         self._rng = random.Random()
         self._why: Counter[str] = Counter()
 
+    def _prompt_text(self, pending_request: Any) -> str | None:
+        """The prompt Ray's router would match on, or None where the request carries none."""
+        if pending_request is None or not getattr(pending_request, "args", None):
+            return None
+        try:
+            return self._extract_text_from_request(pending_request)
+        except ValueError:  # Ray's way of saying: no messages or prompt among the arguments
+            return None
+
     async def choose_replicas(self, candidate_replicas, pending_request=None):
-        if pick_only_prompt(pending_request) is None or not candidate_replicas:
-            return await super().choose_replicas(candidate_replicas, pending_request)
-        text = self._extract_text_from_request(pending_request)
-        if not text:
+        text = self._prompt_text(pending_request)
+        if text is None and pending_request is not None:
+            return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+        if pick_only_prompt(pending_request) is None or not candidate_replicas or not text:
             return await super().choose_replicas(candidate_replicas, pending_request)
         chosen = await self._pick_one(text, candidate_replicas)
         return [[chosen]]
+
+    def on_request_routed(self, pending_request, replica_id, result):
+        if self._prompt_text(pending_request) is not None:
+            super().on_request_routed(pending_request, replica_id, result)
 
     async def _pick_one(self, text: str, candidates):
         by_id = {r.replica_id.to_full_id_str(): r for r in candidates}

@@ -20,7 +20,7 @@ The hot-spot guard is PrefixCacheAffinityRouter's own ``imbalanced_threshold``: 
 prefixes it reads the candidate replicas' queue lengths (requests in flight per replica, Serve's
 cached probe values; on the direct-streaming path, a fresh probe plus the picks made since) and, when
 ``max - min > imbalanced_threshold``, ignores prefixes and picks the less loaded replica. Ray's default is
-``inf`` (no guard); ours is ``prefix_aware.imbalance_threshold`` (8).
+``inf`` (no guard); ours is ``prefix_aware.imbalance_threshold`` (4).
 
 Direct streaming (``gateway.serve_proxy: haproxy``): HAProxy asks Serve's ingress router where to
 send each request, and by default does not forward the request body to it, so a router that reads
