@@ -99,7 +99,7 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
 
 
 async def load_c1_rotated(urls: dict[str, str], model: str, requests: int, max_tokens: int,
-                          headers: dict) -> dict[str, dict]:
+                          headers: dict, gap_s: float = 0.0) -> dict[str, dict]:
     """One stream at a time, the paths in strict rotation (A B C A B C ...): drift on a shared machine (another
     process waking up, the load average climbing) then hits every path alike instead of whichever phase it
     fell in. Per path, the same figures as :func:`load` (tok/s over the time its own requests took)."""
@@ -111,6 +111,8 @@ async def load_c1_rotated(urls: dict[str, str], model: str, requests: int, max_t
             await one_stream(clients[name], url, model, prompt, 4, headers)  # warm the path
         for _ in range(requests):
             for name, url in urls.items():
+                if gap_s:
+                    await asyncio.sleep(gap_s)
                 o = out[name]
                 t0 = time.perf_counter()
                 try:
@@ -159,6 +161,8 @@ def main() -> None:
     ap.add_argument("--requests-1", type=int, default=12, help="requests at concurrency 1")
     ap.add_argument("--requests-32", type=int, default=96, help="requests at concurrency 32")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--c1-gap-s", type=float, default=0.0,
+                    help="idle seconds before each one-stream request in the rotation")
     ap.add_argument("--no-rotate-c1", dest="rotate_c1", action="store_false",
                     help="measure one stream path by path (a phase each) instead of one request per path in strict "
                     "rotation (the default since 2026-12-01: drift then hits every path alike)")
@@ -228,7 +232,8 @@ models:
 
         for rnd in range(args.rounds):
             if args.rotate_c1:
-                rotated = asyncio.run(load_c1_rotated(targets, "smollm2", args.requests_1, args.max_tokens, {}))
+                rotated = asyncio.run(load_c1_rotated(targets, "smollm2", args.requests_1, args.max_tokens, {},
+                                                      args.c1_gap_s))
                 for name, r in rotated.items():
                     results[name]["1"].append(r)
                     show(rnd, name, "1", r)

@@ -83,7 +83,8 @@ async def pick_url(client: httpx.AsyncClient, base: str, candidates: list[str]) 
     raise RuntimeError(f"none of {candidates} answered at {base}")
 
 
-async def measure(urls: dict[str, str], requests: int, max_tokens: int) -> dict[str, dict[str, list[float]]]:
+async def measure(urls: dict[str, str], requests: int, max_tokens: int,
+                  gap_s: float = 0.05) -> dict[str, dict[str, list[float]]]:
     out: dict[str, dict[str, list[float]]] = {k: {"ttft": [], "tfb": []} for k in urls}
     clients = {k: httpx.AsyncClient(timeout=120) for k in urls}
     try:
@@ -95,7 +96,7 @@ async def measure(urls: dict[str, str], requests: int, max_tokens: int) -> dict[
                 ttft, tfb = await one(clients[name], url, max_tokens)
                 out[name]["ttft"].append(ttft)
                 out[name]["tfb"].append(tfb)
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(gap_s)
             if (i + 1) % 10 == 0:
                 print(f"  {i + 1}/{requests}: " + "  ".join(
                     f"{k} {statistics.median(v['ttft']):.1f}" for k, v in out.items()), flush=True)
@@ -105,10 +106,37 @@ async def measure(urls: dict[str, str], requests: int, max_tokens: int) -> dict[
     return out
 
 
+def report(urls: dict[str, str], args: argparse.Namespace, gap: float) -> dict:
+    """Measure every path at one idle gap; print the table; return it with the raw samples."""
+    load0 = os.getloadavg()[0]
+    t = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    res = asyncio.run(measure(urls, args.requests, args.max_tokens, gap))
+    load1 = os.getloadavg()[0]
+    rows = {}
+    prev = None
+    print(f"\n{t}, load average {load0:.1f} -> {load1:.1f}, {args.requests} requests per path, "
+          f"max_tokens {args.max_tokens}, {gap:g} s between requests\n")
+    print("| path | TTFT P50 ms | TTFT mean ms | TTFT P90 ms | first byte P50 ms | P50 added by this hop | vs bare |")
+    print("|---|---|---|---|---|---|---|")
+    for name, v in res.items():
+        p50 = pct(v["ttft"], 0.5)
+        rows[name] = {"ttft_p50_ms": p50, "ttft_mean_ms": statistics.fmean(v["ttft"]),
+                      "ttft_p90_ms": pct(v["ttft"], 0.9), "tfb_p50_ms": pct(v["tfb"], 0.5)}
+        hop = "–" if prev is None else f"{p50 - rows[prev]['ttft_p50_ms']:+.1f}"
+        vs = "–" if "bare" not in rows else f"{p50 - rows['bare']['ttft_p50_ms']:+.1f}"
+        r = rows[name]
+        print(f"| {name} | {p50:.1f} | {r['ttft_mean_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {r['tfb_p50_ms']:.1f} "
+              f"| {hop} | {vs} |")
+        prev = name
+    return {"date": t, "load": [load0, load1], "table": rows, "raw": res}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=40, help="requests per path (rotated)")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--gap-s", default="0.05", help="idle seconds between two requests; a comma list measures each "
+                    "in turn on the same fleet (e.g. 0.05,2)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "ttft_path")
     ap.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--no-bare", action="store_true", help="skip bare vLLM (saves an engine)")
@@ -166,28 +194,10 @@ models:
         asyncio.run(resolve())
         urls["gateway"] = f"http://127.0.0.1:{gport}/v1/completions"
         print(json.dumps(urls, indent=1), flush=True)
-        load0 = os.getloadavg()[0]
-        t = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        res = asyncio.run(measure(urls, args.requests, args.max_tokens))
-        load1 = os.getloadavg()[0]
-        rows = {}
-        prev = None
-        print(f"\n{t}, load average {load0:.1f} -> {load1:.1f}, {args.requests} requests per path, "
-              f"max_tokens {args.max_tokens}\n")
-        print("| path | TTFT P50 ms | TTFT mean ms | TTFT P90 ms | first byte P50 ms | P50 added by this hop | vs bare |")
-        print("|---|---|---|---|---|---|---|")
-        for name, v in res.items():
-            p50 = pct(v["ttft"], 0.5)
-            rows[name] = {"ttft_p50_ms": p50, "ttft_mean_ms": statistics.fmean(v["ttft"]),
-                          "ttft_p90_ms": pct(v["ttft"], 0.9), "tfb_p50_ms": pct(v["tfb"], 0.5)}
-            hop = "–" if prev is None else f"{p50 - rows[prev]['ttft_p50_ms']:+.1f}"
-            vs = "–" if "bare" not in rows else f"{p50 - rows['bare']['ttft_p50_ms']:+.1f}"
-            r = rows[name]
-            print(f"| {name} | {p50:.1f} | {r['ttft_mean_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {r['tfb_p50_ms']:.1f} "
-                  f"| {hop} | {vs} |")
-            prev = name
-        (args.out / "ttft_path.json").write_text(json.dumps(
-            {"date": t, "load": [load0, load1], "urls": urls, "table": rows, "raw": res}, indent=1))
+        tables = {}
+        for gap in [float(g) for g in str(args.gap_s).split(",")]:
+            tables[f"{gap:g}"] = report(urls, args, gap)
+        (args.out / "ttft_path.json").write_text(json.dumps({"urls": urls, "by_gap_s": tables}, indent=1))
     finally:
         for p in reversed(procs):
             stop(p)
