@@ -172,6 +172,9 @@ def main() -> None:
     ap.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for `lmfleet serve` (Ray/Serve flags, e.g. "
                     "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1); repeatable")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="the model's engine.env in lmfleet's fleet file (the Serve replica's and its engine's "
+                    "environment), e.g. LMFLEET_REPLICA_NICENESS=0; repeatable")
     ap.add_argument("--pin-frontends", action="store_true",
                     help="start both servers under `taskset -c <last core>`: every process but the engines' compute "
                     "threads (which vLLM binds to core 0) stays off the engine's core")
@@ -185,6 +188,8 @@ def main() -> None:
     gport, sport, vport = free_port(), free_port(), free_port()
     fleet = work / "bench_fleet.yaml"
     batching = "" if args.batching_ms is None else f", stream_batching_interval_ms: {args.batching_ms:g}"
+    engine_env = (", env: {" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in (kv.split("=", 1) for kv in args.engine_env))
+                  + "}") if args.engine_env else ""
     pin = ["taskset", "-c", str((os.cpu_count() or 1) - 1)] if args.pin_frontends else []
     if pin:
         os.sched_setaffinity(0, {(os.cpu_count() or 1) - 1})  # the load generator too
@@ -193,7 +198,7 @@ ledger: {{path: {work / 'bench_ledger.sqlite'}}}
 models:
   - name: smollm2
     source: builtin:smollm2
-    engine: {{max_model_len: 2048, cpu_kvcache_space_gib: 2, max_num_seqs: 64}}
+    engine: {{max_model_len: 2048, cpu_kvcache_space_gib: 2, max_num_seqs: 64{engine_env}}}
     deployment: {{max_ongoing_requests: 64{batching}}}
 """)
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1"}

@@ -54,7 +54,9 @@ ADMIN = "bench-admin"
 
 
 def fleet_yaml(args, out: Path, router: str, gport: int, sport: int) -> str:
-    guard = f", prefix_aware: {{imbalance_threshold: {args.imbalance_threshold}}}" if router == "prefix_aware" else ""
+    guard = (f", prefix_aware: {{imbalance_threshold: {args.imbalance_threshold}}}"
+             if router == "prefix_aware" and args.imbalance_threshold is not None else "")
+    kv = f", extra_args: {{num_gpu_blocks_override: {args.kv_blocks}}}" if args.kv_blocks else ""
     return f"""gateway: {{port: {gport}, serve_port: {sport}, admin_key_env: BENCH_ADMIN, serve_proxy: {args.serve_proxy},
   engine_metrics_poll_s: 2}}
 ledger: {{path: {out / 'ledger.sqlite'}}}
@@ -62,7 +64,7 @@ models:
   - name: {MODEL}
     source: builtin:smollm2
     engine: {{max_model_len: 4096, cpu_kvcache_space_gib: 2, max_num_seqs: {args.max_num_seqs},
-              enable_prefix_caching: true, env: {{VLLM_CPU_OMP_THREADS_BIND: nobind, OMP_NUM_THREADS: '1'}}}}
+              enable_prefix_caching: true, env: {{VLLM_CPU_OMP_THREADS_BIND: nobind, OMP_NUM_THREADS: '1'}}{kv}}}
     deployment: {{replicas: 2, max_ongoing_requests: {args.max_num_seqs}, request_timeout_s: 600,
                   request_router: {router}{guard}}}
 """
@@ -140,7 +142,13 @@ def main() -> None:
     ap.add_argument("--output", default="32", help="max_tokens per turn")
     ap.add_argument("--hot-share", type=float, default=0.9, help="skewed phase: sessions on the hot prefix")
     ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--imbalance-threshold", type=int, default=8)
+    ap.add_argument("--imbalance-threshold", type=int, default=None,
+                    help="prefix_aware.imbalance_threshold (default: lmfleet's, 4; this script's default was 8 "
+                    "before 2026-12-01 session 10)")
+    ap.add_argument("--kv-blocks", type=int, default=None,
+                    help="KV cache blocks per replica (vLLM's num_gpu_blocks_override; 128 tokens a block on CPU). "
+                    "Default: 2 GiB (~46k tokens of SmolLM2), which holds every prefix on both replicas; 64 "
+                    "blocks (8k tokens) holds about half the prefixes, as a busy production cache does")
     ap.add_argument("--serve-proxy", choices=("haproxy", "serve"), default="haproxy")
     ap.add_argument("--no-skewed", dest="skewed", action="store_false")
     ap.add_argument("--settle-s", type=float, default=15, help="wait for Ray's metrics report before reading counters")

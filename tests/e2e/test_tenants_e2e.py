@@ -6,9 +6,11 @@ providers), ``tenant-b`` (``interactive``), and the flat key as ``default`` (unl
 "Solo P99" with a few dozen samples is nearly the maximum, and this machine's load (other people's work)
 drifts over a minute. So B's trickle runs in alternating blocks, solo / A flooding / solo / ..., and each
 side pools its blocks: both see the same drift. A's flood is 12 workers against a concurrency limit of 4
-(3x what it may run); a refused worker waits for retry-after (1 s here), as the OpenAI client does (with a 0.2 s
-wait the refusals cost the shared gateway much more CPU). The issue's 2x P99 bound did not hold on this shared
-2-core machine in 4 of 5 runs (docs/tenants.md): it is checked last and reported as an expected failure.
+(3x what it may run); a refused worker waits for retry-after (1 s here), as the OpenAI client does. The flood
+runs in a process of its own under ``nice -n 19`` (tests/support/flood.py): A is another client, not part of
+the fleet; run as threads of this process at niceness 0 it shared B's GIL and outran the fleet's Ray workers
+(niceness 15) on the 2 cores. The issue's 2x P99 bound is checked last; a miss is reported as an expected
+failure with its numbers (docs/tenants.md has the runs).
 """
 
 from __future__ import annotations
@@ -16,22 +18,22 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
-import threading
+import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import TENANT_A_KEY, TENANT_B_KEY, VENV_BIN
+from tests.e2e.conftest import REPO, TENANT_A_KEY, TENANT_B_KEY, VENV_BIN
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny"  # cheapest engine; overflow is off for it
 FLOOD_WORKERS = 12
 A_CONCURRENCY = 4  # tenant-a's max_concurrency in conftest.py
-BLOCKS = 3  # solo/flood pairs
-PER_BLOCK = 12  # B requests per block
+BLOCKS = 4  # solo/flood pairs
+PER_BLOCK = 20  # B requests per block
 TRICKLE_GAP_S = 0.25
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
                 "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
@@ -44,48 +46,39 @@ def p99(xs: list[float]) -> float:
 
 @dataclass
 class Flood:
-    """``workers`` threads sending ``key``'s requests until stopped; counts answers, keeps the 429s' headers."""
+    """``workers`` clients sending ``key``'s requests until stopped, in a separate process under ``nice -n 19``
+    (tests/support/flood.py says why); counts answers over every start/stop, keeps the 429s' headers."""
 
     base_url: str
     key: str
     workers: int = FLOOD_WORKERS
     ok: int = 0
     refused: int = 0
-    other: list[int] = field(default_factory=list)
+    other: list = field(default_factory=list)
     refusals: list[tuple[dict[str, str], dict]] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def _work(self) -> None:
-        with httpx.Client(base_url=self.base_url, headers={"authorization": f"Bearer {self.key}"},
-                          timeout=120) as c:
-            while not self._stop.is_set():
-                r = c.post("/v1/completions", json={"model": MODEL, "prompt": "flood " * 24, "max_tokens": 32})
-                with self._lock:
-                    if r.status_code == 200:
-                        self.ok += 1
-                    elif r.status_code == 429:
-                        self.refused += 1
-                        if len(self.refusals) < 50:
-                            self.refusals.append((dict(r.headers), r.json()))
-                    else:
-                        self.other.append(r.status_code)
-                if r.status_code == 429:  # as the OpenAI client does: back off by retry-after (capped)
-                    time.sleep(min(float(r.headers.get("retry-after", 1)), 2.0))
+    _proc: subprocess.Popen | None = None
 
     def start(self) -> "Flood":
-        self._stop.clear()
-        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(self.workers)]
-        for t in self._threads:
-            t.start()
+        self._proc = subprocess.Popen(
+            ["nice", "-n", "19", sys.executable, "-m", "tests.support.flood", self.base_url, self.key, MODEL,
+             str(self.workers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        assert self._proc.stdout.readline().strip() == "started"
         time.sleep(2.0)  # ramp up: A holds its 4 slots and its refused workers back off before B's block
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(150)
+        proc, self._proc = self._proc, None
+        try:
+            out, _ = proc.communicate(timeout=180)  # closes its stdin: it stops, joins and reports
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        res = json.loads(out.strip().splitlines()[-1])
+        self.ok += res["ok"]
+        self.refused += res["refused"]
+        self.other += res["other"]
+        self.refusals += [tuple(x) for x in res["refusals"]][: max(0, 50 - len(self.refusals))]
 
 
 def trickle(c: httpx.Client, n: int) -> tuple[list[float], list[int]]:

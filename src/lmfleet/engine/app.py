@@ -254,10 +254,11 @@ def bind_app(app: ModelApp):
         # request router class on the ingress deployment and HAProxy balances itself
         from ray import serve
         from ray.llm._internal.serve.core.server.builder import build_llm_deployment
-        from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
-        return build_llm_deployment(app.llm_config,
-                                    deployment_cls=serve.ingress()(app.llm_config.server_cls or LLMServer))
+        from lmfleet.engine.replica import FleetLLMServer
+
+        return build_llm_deployment(app.llm_config, name_prefix="LLMServer:",  # Ray's name, not the subclass's
+                                    deployment_cls=serve.ingress()(app.llm_config.server_cls or FleetLLMServer))
     return build_openai_app({"llm_configs": [app.llm_config]})
 
 
