@@ -110,6 +110,27 @@ def test_model_health(app, ready, words):
     assert h.ready is ready and words in h.message
 
 
+def _details(status, deployments):
+    """The controller's details dict as Ray 2.60 returns it: enum members for states, replicas as dicts."""
+    return {"applications": {"lmfleet-m": {"status": NS(value=status), "message": "", "deployments": {
+        n: {"status": NS(value=s), "message": m, "replicas": [{"state": NS(value=x)} for x in states]}
+        for n, (s, states, m) in deployments.items()}}}}
+
+
+@pytest.mark.parametrize("details,ready,running,words", [
+    ({"applications": {}}, False, 0, "not deployed"),
+    (_details("RUNNING", {"LLMServer:m": ("HEALTHY", ["RUNNING", "RUNNING"], "")}), True, 2, "serving"),
+    (_details("RUNNING", {"LLMServer:m": ("UPSCALING", ["RUNNING", "STARTING"], "")}), True, 1, "serving"),
+    (_details("DEPLOYING", {"LLMServer:m": ("UPDATING", ["STARTING"], "slow init")}), False, 0, "UPDATING: slow init"),
+    (_details("UNHEALTHY", {"LLMServer:m": ("UNHEALTHY", ["RUNNING"], "node died")}), True, 1, "node died"),
+])
+def test_status_overview_maps_details_like_serve_status(details, ready, running, words):
+    from lmfleet.gateway.health import status_overview
+
+    h = model_health(status_overview(details).get("lmfleet-m"))
+    assert (h.ready, h.running_replicas) == (ready, running) and words in h.message
+
+
 def test_health_board_mark_failed_holds_until_next_poll_window():
     b = HealthBoard({"m": "lmfleet-m"}, fetch=None)
     assert b.is_ready("m")
