@@ -12,8 +12,10 @@ most +10 ms P50 TTFT at 1 stream. Also reports start-up time to ready of `lmflee
 
 Engines are measured one at a time (the other idles) to keep the 2-core machine's noise down; each
 phase is repeated --rounds times in rotation and the median is reported. At one stream the paths take turns
-request by request (bare, Serve, lmfleet, bare, ...), so that drift hits them alike (--no-rotate-c1: a phase per
-path, as before 2026-12-01). Issue 11's targets: >= 90 % of bare tok/s at 32 streams, <= +5 ms P50 TTFT at one
+request by request (bare, Serve, lmfleet, bare, lmfleet, Serve, ...: the two fleet paths swap places every other
+turn, so neither always follows the other on the same engine; --fixed-c1-order: bare, Serve, lmfleet every turn,
+as before 2026-12-02), so that drift hits them alike (--no-rotate-c1: a phase per path, as before 2026-12-01).
+Every 32-stream phase also reports the CPU seconds each process of both servers (and the load generator) spent. Issue 11's targets: >= 90 % of bare tok/s at 32 streams, <= +5 ms P50 TTFT at one
 stream, P99 TTFT at 32 streams <= 1.5x bare's.
 """
 
@@ -98,9 +100,19 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
             "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall, "errors": len(errors)}
 
 
+def c1_order(names: list[str], i: int, alternate: bool) -> list[str]:
+    """The paths' order in the one-stream rotation's ``i``-th turn: the first path (bare vLLM) first, then the
+    others in their order on even turns and in reverse on odd ones (``alternate``), so that each fleet path
+    follows the other fleet path half the time and bare vLLM's request the other half. With a fixed order
+    (``alternate`` False, as before 2026-12-02) lmfleet's request always came 1.5 s after Serve's endpoint's on
+    the same engine, and Serve's after bare vLLM's (the fleet's engine then idle for a whole turn)."""
+    rest = names[1:]
+    return names[:1] + (rest[::-1] if alternate and i % 2 else rest)
+
+
 async def load_c1_rotated(urls: dict[str, str], model: str, requests: int, max_tokens: int,
-                          headers: dict, gap_s: float = 0.0) -> dict[str, dict]:
-    """One stream at a time, the paths in strict rotation (A B C A B C ...): drift on a shared machine (another
+                          headers: dict, gap_s: float = 0.0, alternate: bool = True) -> dict[str, dict]:
+    """One stream at a time, the paths in rotation (see :func:`c1_order`): drift on a shared machine (another
     process waking up, the load average climbing) then hits every path alike instead of whichever phase it
     fell in. Per path, the same figures as :func:`load` (tok/s over the time its own requests took)."""
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
@@ -109,8 +121,9 @@ async def load_c1_rotated(urls: dict[str, str], model: str, requests: int, max_t
     try:
         for name, url in urls.items():
             await one_stream(clients[name], url, model, prompt, 4, headers)  # warm the path
-        for _ in range(requests):
-            for name, url in urls.items():
+        for i in range(requests):
+            for name in c1_order(list(urls), i, alternate):
+                url = urls[name]
                 if gap_s:
                     await asyncio.sleep(gap_s)
                 o = out[name]
@@ -131,6 +144,58 @@ async def load_c1_rotated(urls: dict[str, str], model: str, requests: int, max_t
                    "output_tok_s": o["tokens"] / o["busy_s"] if o["busy_s"] else float("nan"),
                    "requests": requests, "wall_s": o["busy_s"], "errors": len(o["errors"])}
             for name, o in out.items()}
+
+
+def proc_label(p) -> str:
+    """A short name for a process of either server's tree: Ray's workers carry their role in their title."""
+    try:
+        cmd = p.cmdline()
+    except Exception:  # noqa: BLE001 - gone, or not ours to read
+        return "?"
+    if not cmd:
+        return p.name()
+    head = cmd[0]
+    if head.startswith("ray::"):
+        return head.split(" ")[0][:48]
+    exe = os.path.basename(head)
+    if "python" in exe:
+        rest = " ".join(cmd[1:4])
+        for key, label in (("lmfleet.cli.main serve", "lmfleet serve (gateway, Ray driver)"),
+                           ("vllm.entrypoints.openai.api_server", "bare vLLM API server"),
+                           ("dashboard/agent.py", "ray dashboard agent"), ("runtime_env/agent", "ray runtime-env agent"),
+                           ("log_monitor", "ray log monitor"), ("monitor.py", "ray monitor")):
+            if key in " ".join(cmd):
+                return label
+        return f"python {rest}"[:48]
+    return exe[:48]
+
+
+def cpu_times(sessions: set[int]) -> dict[int, tuple[str, float]]:
+    """pid -> (label, user+system CPU seconds so far) for every process in the given sessions (each server
+    runs in its own session: start_new_session) and for this process, whose load generator is every path's."""
+    import psutil
+
+    out: dict[int, tuple[str, float]] = {}
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and os.getsid(p.pid) not in sessions:
+                continue
+            t = p.cpu_times()
+            label = "load generator (this script)" if p.pid == os.getpid() else proc_label(p)
+            out[p.pid] = (label, t.user + t.system)
+        except (ProcessLookupError, PermissionError, OSError, Exception):  # noqa: BLE001
+            continue
+    return out
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds spent between two :func:`cpu_times` snapshots, summed per label."""
+    spent: dict[str, float] = {}
+    for pid, (label, t) in after.items():
+        d = t - before.get(pid, (label, 0.0))[1]
+        if d > 0.005:
+            spent[label] = spent.get(label, 0.0) + d
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, headers=None) -> float:
@@ -163,6 +228,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--c1-gap-s", type=float, default=0.0,
                     help="idle seconds before each one-stream request in the rotation")
+    ap.add_argument("--fixed-c1-order", dest="alternate_c1", action="store_false",
+                    help="keep the one-stream rotation's order fixed (bare, Serve, lmfleet every turn), as before "
+                    "2026-12-02; by default Serve and lmfleet swap places every other turn")
     ap.add_argument("--no-rotate-c1", dest="rotate_c1", action="store_false",
                     help="measure one stream path by path (a phase each) instead of one request per path in strict "
                     "rotation (the default since 2026-12-01: drift then hits every path alike)")
@@ -225,6 +293,7 @@ models:
         bare_startup = time.monotonic() - t1
         print(f"bare vLLM: ready after {bare_startup:.0f} s", flush=True)
 
+        sessions = {lm.pid, bare.pid}  # each server's processes: Ray's, the engines', HAProxy
         targets = {
             "bare vLLM": f"http://127.0.0.1:{vport}/v1",
             "Ray Serve LLM endpoint": f"http://127.0.0.1:{sport}/smollm2/v1",
@@ -238,15 +307,21 @@ models:
         for rnd in range(args.rounds):
             if args.rotate_c1:
                 rotated = asyncio.run(load_c1_rotated(targets, "smollm2", args.requests_1, args.max_tokens, {},
-                                                      args.c1_gap_s))
+                                                      args.c1_gap_s, args.alternate_c1))
                 for name, r in rotated.items():
                     results[name]["1"].append(r)
                     show(rnd, name, "1", r)
             for name, url in targets.items():
                 for conc, n in ((("1", args.requests_1),) if not args.rotate_c1 else ()) + (("32", args.requests_32),):
+                    before = cpu_times(sessions)
                     r = asyncio.run(load(url, "smollm2", int(conc), n, args.max_tokens, {}))
+                    r["cpu_s"] = cpu_delta(before, cpu_times(sessions))
                     results[name][conc].append(r)
                     show(rnd, name, conc, r)
+                    tokens = r["output_tok_s"] * r["wall_s"]
+                    print("    CPU s over the phase (ms per 1,000 tokens): " + ", ".join(
+                        f"{k} {v:.1f} ({1e6 * v / tokens:.0f})" for k, v in list(r["cpu_s"].items())[:12]),
+                        flush=True)
 
         def med(name: str, conc: str, key: str) -> float:
             return statistics.median(r[key] for r in results[name][conc])
@@ -258,7 +333,7 @@ models:
             row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "serve_env": args.serve_env,
+                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env,
                    "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
                    "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))

@@ -41,11 +41,15 @@ HAPROXY_DIR = Path(os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "/tmp/hap
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
 
 
-async def one(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[float, float]:
+async def one(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[float, float, float]:
+    """One stream: (TTFT by raw chunk, time to first byte, TTFT by complete line), all in ms. The first counts the
+    first chunk holding a token; the last, the moment that token's ``data:`` line is complete (what a line reader,
+    e.g. bench_gateway.py's ``aiter_lines``, sees)."""
     body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0}
     t0 = time.perf_counter()
-    tfb = ttft = None
+    tfb = ttft = tline = None
+    buf = b""
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
         async for chunk in r.aiter_raw():
@@ -54,7 +58,13 @@ async def one(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[flo
                 tfb = now - t0
             if ttft is None and b'"text"' in chunk:
                 ttft = now - t0
-    return (ttft or float("nan")) * 1000, (tfb or float("nan")) * 1000
+            if tline is None:
+                buf += chunk
+                for line in buf.split(b"\n")[:-1]:
+                    if line.startswith(b"data: {") and b'"text"' in line:
+                        tline = now - t0
+                        break
+    return ((ttft or float("nan")) * 1000, (tfb or float("nan")) * 1000, (tline or float("nan")) * 1000)
 
 
 def replica_servers(serve_port: int, timeout_s: float = 120) -> list[str]:
@@ -85,7 +95,7 @@ async def pick_url(client: httpx.AsyncClient, base: str, candidates: list[str]) 
 
 async def measure(urls: dict[str, str], requests: int, max_tokens: int,
                   gap_s: float = 0.05) -> dict[str, dict[str, list[float]]]:
-    out: dict[str, dict[str, list[float]]] = {k: {"ttft": [], "tfb": []} for k in urls}
+    out: dict[str, dict[str, list[float]]] = {k: {"ttft": [], "tfb": [], "tline": []} for k in urls}
     clients = {k: httpx.AsyncClient(timeout=120) for k in urls}
     try:
         for name, url in urls.items():  # warm each path and its keep-alive connection
@@ -93,9 +103,10 @@ async def measure(urls: dict[str, str], requests: int, max_tokens: int,
                 await one(clients[name], url, 4)
         for i in range(requests):
             for name, url in urls.items():
-                ttft, tfb = await one(clients[name], url, max_tokens)
+                ttft, tfb, tline = await one(clients[name], url, max_tokens)
                 out[name]["ttft"].append(ttft)
                 out[name]["tfb"].append(tfb)
+                out[name]["tline"].append(tline)
                 await asyncio.sleep(gap_s)
             if (i + 1) % 10 == 0:
                 print(f"  {i + 1}/{requests}: " + "  ".join(
@@ -116,16 +127,18 @@ def report(urls: dict[str, str], args: argparse.Namespace, gap: float) -> dict:
     prev = None
     print(f"\n{t}, load average {load0:.1f} -> {load1:.1f}, {args.requests} requests per path, "
           f"max_tokens {args.max_tokens}, {gap:g} s between requests\n")
-    print("| path | TTFT P50 ms | TTFT mean ms | TTFT P90 ms | first byte P50 ms | P50 added by this hop | vs bare |")
-    print("|---|---|---|---|---|---|---|")
+    print("| path | TTFT P50 ms | TTFT mean ms | TTFT P90 ms | first byte P50 ms | line TTFT P50 ms "
+          "| P50 added by this hop | vs bare |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, v in res.items():
         p50 = pct(v["ttft"], 0.5)
         rows[name] = {"ttft_p50_ms": p50, "ttft_mean_ms": statistics.fmean(v["ttft"]),
-                      "ttft_p90_ms": pct(v["ttft"], 0.9), "tfb_p50_ms": pct(v["tfb"], 0.5)}
+                      "ttft_p90_ms": pct(v["ttft"], 0.9), "tfb_p50_ms": pct(v["tfb"], 0.5),
+                      "tline_p50_ms": pct(v["tline"], 0.5)}
         hop = "–" if prev is None else f"{p50 - rows[prev]['ttft_p50_ms']:+.1f}"
         vs = "–" if "bare" not in rows else f"{p50 - rows['bare']['ttft_p50_ms']:+.1f}"
         r = rows[name]
-        print(f"| {name} | {p50:.1f} | {r['ttft_mean_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {r['tfb_p50_ms']:.1f} "
+        print(f"| {name} | {p50:.1f} | {r['ttft_mean_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {r['tfb_p50_ms']:.1f} | {r['tline_p50_ms']:.1f} "
               f"| {hop} | {vs} |")
         prev = name
     return {"date": t, "load": [load0, load1], "table": rows, "raw": res}

@@ -376,3 +376,37 @@ def test_peer_loads_sum_queue_slots():
                {"id": "y", "last_seen": 10.0, "models": {"m": {"in_flight": 1, "queue_running": 1}}},
                {"id": "me", "last_seen": 10.0, "models": {"m": {"in_flight": 9, "queue_running": 9}}}]
     assert peer_loads(entries, "me", 10.0)["m"].queue_running == 4
+
+
+@pytest.mark.parametrize("entries, alone", [
+    ([], True),
+    ([{"id": "me", "last_seen": 100.0}], True),                        # only itself
+    ([{"id": "me", "last_seen": 100.0}, {"id": "b", "last_seen": 99.0}], False),
+    ([{"id": "me", "last_seen": 100.0}, {"id": "b", "last_seen": 90.0}], True),   # b is stale (> FRESH_S)
+    ([{"id": "b", "last_seen": 95.0}], False),                          # exactly FRESH_S old still counts
+])
+def test_has_fresh_peer(entries, alone):
+    from lmfleet.gateway.peers import has_fresh_peer
+
+    assert has_fresh_peer(entries, "me", now=100.0) is (not alone)
+
+
+@pytest.mark.parametrize("period, alone, expected", [
+    (0.25, False, 0.25), (0.25, True, 2.0), (5.0, True, 5.0), (5.0, False, 5.0), (2.0, True, 2.0),
+])
+def test_next_report_s(period, alone, expected):
+    from lmfleet.gateway.peers import next_report_s
+
+    assert next_report_s(period, alone) == expected
+
+
+def test_peer_board_is_alone_until_the_registry_lists_another_gateway():
+    call = FakeRegistry()
+    a = PeerBoard({"m": LoadTracker(4)}, host="127.0.0.1", port=1, call=call)
+    a.apply(call("report", a.entry()))
+    assert a.alone
+    b = PeerBoard({"m": LoadTracker(4)}, host="127.0.0.1", port=2, call=call)
+    b.apply(call("report", b.entry()))
+    assert not b.alone
+    a.apply(call("report", a.entry()))
+    assert not a.alone

@@ -472,7 +472,8 @@ class GatewayConfig(_Strict):
         0.25, ge=0.05, le=10, description="How often each gateway process reports its in-flight requests to the "
         "others (the cluster's gateway registry) and reads theirs, so that several gateways overflow where one "
         "would. Shorter: less over-admission between reports (benchmarks/bench_gateways_overload.py); each report "
-        "is one small Ray actor call."
+        "is one small Ray actor call. A gateway with no peer in the registry reports every 2 s (or this period, if "
+        "longer) until one appears."
     )
 
 

@@ -39,6 +39,12 @@ FRESH_S = 5.0
 """A gateway whose last report is older than this is not counted (it died or is stuck)."""
 FORGET_S = 300.0
 """...and is forgotten after this."""
+ALONE_PERIOD_S = 2.0
+"""How often a gateway that the registry shows no fresh peer reports (its configured period, if longer). Alone,
+there is nobody to share a queue estimate with: the report only keeps it listed (``lmfleet cluster status``) and
+lets a newcomer find it. At 4 reports a second the registry actor and the reporting thread cost ~2 % of a core on an
+idle 2-core node (session 12, docs/benchmarks.md); a gateway that starts later is counted by this one at its next
+report, within this period."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,16 @@ def peer_loads(entries: list[dict[str, Any]], self_id: str, now: float, fresh_s:
             acc[3] += 1 if load.get("overflowing") else 0
             acc[4] += int(load.get("queue_running") or 0)
     return {m: PeerLoad(int(n), d, int(k), bool(o), int(q)) for m, (n, d, k, o, q) in out.items()}
+
+
+def has_fresh_peer(entries: list[dict[str, Any]], self_id: str, now: float, fresh_s: float = FRESH_S) -> bool:
+    """Does the registry's answer list another gateway that reported within ``fresh_s``?"""
+    return any(e.get("id") != self_id and now - float(e.get("last_seen", 0.0)) <= fresh_s for e in entries)
+
+
+def next_report_s(period_s: float, alone: bool, alone_period_s: float = ALONE_PERIOD_S) -> float:
+    """Seconds to the next report: ``period_s`` among peers, at least ``alone_period_s`` alone."""
+    return max(period_s, alone_period_s) if alone else period_s
 
 
 class GatewayRegistry:
@@ -181,6 +197,8 @@ class PeerBoard:
         self._call = call or _ray_call()
         self._clock = clock
         self.last_ok: float | None = None
+        self.alone = True
+        """No other fresh gateway in the registry's last answer: reports slow down to :data:`ALONE_PERIOD_S`."""
 
     def entry(self) -> dict[str, Any]:
         models = {}
@@ -199,7 +217,9 @@ class PeerBoard:
                 "pid": os.getpid(), "started_at": self.started_at, "models": models}
 
     def apply(self, answer: dict[str, Any]) -> None:
-        loads = peer_loads(answer.get("gateways", []), self.id, float(answer.get("now", 0.0)))
+        entries, now = answer.get("gateways", []), float(answer.get("now", 0.0))
+        self.alone = not has_fresh_peer(entries, self.id, now)
+        loads = peer_loads(entries, self.id, now)
         for name, tr in self.trackers.items():  # stamped with each tracker's own clock
             load = loads.get(name, PeerLoad(0, 0.0))
             tr.set_peer_load(load.in_flight, load.drain_rps)
@@ -229,7 +249,7 @@ class PeerBoard:
                 if failures == 1:
                     log.warning("gateway registry unreachable (%s); the queue estimate counts this gateway's "
                                 "requests only", e)
-            await asyncio.sleep(self.period_s)
+            await asyncio.sleep(next_report_s(self.period_s, self.alone and not failures))
 
     async def leave(self) -> None:
         try:
