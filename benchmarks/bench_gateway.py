@@ -76,13 +76,16 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
     sem = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
+    samples: list[tuple[float, float]] = []  # (start, TTFT) per request, seconds since the phase began
     tokens = 0
     errors: list[str] = []
+    t0 = 0.0
 
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         async def worker():
             nonlocal tokens
             async with sem:
+                start = time.perf_counter() - t0
                 try:
                     t, n = await one_stream(client, url, model, prompt, max_tokens, headers)
                 except httpx.HTTPError as e:  # counted and reported, not fatal: one failure must not lose the run
@@ -90,6 +93,7 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
                     print(f"  request failed: {errors[-1]}", flush=True)
                     return
                 ttfts.append(t)
+                samples.append((round(start, 4), round(t, 4)))
                 tokens += n
 
         await one_stream(client, url, model, prompt, 4, headers)  # warm the path
@@ -97,7 +101,8 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
         await asyncio.gather(*(worker() for _ in range(requests)))
         wall = time.perf_counter() - t0
     return {"ttft_p50_ms": pct(ttfts, 0.5) * 1000, "ttft_p99_ms": pct(ttfts, 0.99) * 1000,
-            "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall, "errors": len(errors)}
+            "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall, "errors": len(errors),
+            "samples": sorted(samples)}
 
 
 def c1_order(names: list[str], i: int, alternate: bool) -> list[str]:
@@ -319,6 +324,10 @@ models:
                     results[name][conc].append(r)
                     show(rnd, name, conc, r)
                     tokens = r["output_tok_s"] * r["wall_s"]
+                    if conc == "32" and r["samples"]:
+                        slow = sorted(r["samples"], key=lambda x: -x[1])[:4]
+                        print("    slowest first tokens (started at s -> TTFT s): " + ", ".join(
+                            f"{a:.2f} -> {b:.2f}" for a, b in slow), flush=True)
                     print("    CPU s over the phase (ms per 1,000 tokens): " + ", ".join(
                         f"{k} {v:.1f} ({1e6 * v / tokens:.0f})" for k, v in list(r["cpu_s"].items())[:12]),
                         flush=True)
