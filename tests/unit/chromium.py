@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -36,6 +37,29 @@ def find_chromium() -> str | None:
         if path := shutil.which(name):
             return path
     return None
+
+
+def _end_group(pgid: int, timeout_s: float = 5.0) -> None:
+    """SIGKILL whatever is left of Chromium's process group and wait until none of it runs, so that no renderer
+    keeps a core busy into the next test (zombies waiting for their reaper count as gone)."""
+    import psutil
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        running = []
+        for q in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(q.pid) == pgid and q.info["status"] != psutil.STATUS_ZOMBIE:
+                    running.append(q.pid)
+            except (ProcessLookupError, PermissionError, OSError):
+                continue
+        if not running:
+            return
+        time.sleep(0.05)
 
 
 class Browser:
@@ -93,6 +117,7 @@ class Browser:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(10)
+            _end_group(proc.pid)  # its renderer, GPU and utility processes (its own session: start_new_session)
             shutil.rmtree(profile, ignore_errors=True)
 
     async def _read(self) -> None:

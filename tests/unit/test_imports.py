@@ -60,8 +60,8 @@ def _is_deferred(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
 
 def _parse(path: Path) -> ast.Module:
     """``ast.parse``, tried again on CPython 3.11's spurious ``SystemError: AST constructor recursion depth
-    mismatch``: raised by the interpreter's AST conversion, not by the source (it failed once in CI on a file
-    that parses everywhere else, after ~2,200 tests in the same process)."""
+    mismatch`` (python/cpython#106905, seen in threaded programs): raised by the interpreter, not by the source
+    (it failed once in CI on a file that parses everywhere else, after ~2,200 tests in the same process)."""
     text = path.read_text()
     was_enabled = gc.isenabled()
     for attempt in range(3):
