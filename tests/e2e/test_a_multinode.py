@@ -317,6 +317,12 @@ def test_load_is_served_by_both_workers(netns_fleet: Cluster):
     idle = _idle_rate(netns_fleet, ["w1", "w2"])
     busy = _served_by(netns_fleet, ["w1", "w2"])
     print(f"\nworker CPU s/s: idle {idle}, under load {busy}")
+    if any(rate - idle[h] <= 0.1 for h, rate in busy.items()):
+        # CI once (2026-12-02, the fleet just started) saw w2 at +0.09 CPU s/s over 24 requests while w1 took the
+        # rest; every other run split them. One more, longer, measurement decides: a worker that never serves fails.
+        idle = _idle_rate(netns_fleet, ["w1", "w2"])
+        busy = _served_by(netns_fleet, ["w1", "w2"], n=48)
+        print(f"worker CPU s/s, second measurement: idle {idle}, under load {busy}")
     _assert_all_busy(busy, idle)
 
 
