@@ -293,9 +293,9 @@ def test_200_threads_admit_exactly_10(target):
         assert store.spent(HOUR).held_nusd == 10 * AMOUNT
 
 
-@pytest.mark.xfail(strict=False, reason="failed once (SQLite, machine loaded by an e2e run beside it; cause not "
-                   "found yet): the exact-10 guarantee is also held by the two tests above and the gateway's "
-                   "200-request test")
+@pytest.mark.xfail(strict=False, reason="failed once (SQLite, machine loaded by an e2e run beside it; its output "
+                   "was not kept; possibly the WAL-switch race fixed in session 14, see connect_wal): the exact-10 "
+                   "guarantee is also held by the two tests above and the gateway's 200-request test")
 def test_settles_racing_reserves_admit_exactly_10(target):
     # a reserve that saw neither a hold nor its settled cost would let an 11th through
     assert _reserve_many(target, 200, settle=True) == 10
@@ -319,6 +319,61 @@ def test_4_processes_x_50_threads_admit_exactly_10(target):
 
 
 # --- failing closed ---------------------------------------------------------------------------------
+
+
+def test_sqlite_stores_and_ledgers_opening_one_new_file_at_once_all_open(tmp_path):
+    # switching a new file to WAL: SQLite refuses some of several simultaneous openers at once, without the busy
+    # timeout ("database is locked"; CI once lost a whole 200-thread test to it); connect_wal retries the switch
+    opened, errors = [], []
+
+    def one(path, kind: int, gate: threading.Barrier) -> None:
+        try:
+            gate.wait(timeout=30)
+            store = (SqliteSpendStore(path) if kind else Ledger(path))
+            store.close()
+            opened.append(kind)
+        except Exception as e:  # noqa: BLE001 - any failure to open is the finding
+            errors.append(e)
+
+    for round_ in range(60):
+        path, gate = tmp_path / f"r{round_}" / "ledger.sqlite", threading.Barrier(16)
+        threads = [threading.Thread(target=one, args=(path, i % 2, gate)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, f"{len(errors)} of {60 * 16} opens failed: {errors[0]!r}"
+    assert len(opened) == 60 * 16
+
+
+def test_the_switch_to_wal_is_retried_when_sqlite_refuses_it_at_once(tmp_path, monkeypatch):
+    import lmfleet.overflow.store.sqlite as mod
+
+    class Refusing:  # a connection whose first WAL switches meet another opener's shared lock
+        refusals = 2
+
+        def __init__(self, db: sqlite3.Connection) -> None:
+            self.db = db
+
+        def execute(self, sql: str, *args):
+            if sql.startswith("PRAGMA journal_mode=") and Refusing.refusals:
+                Refusing.refusals -= 1
+                raise sqlite3.OperationalError("database is locked")
+            return self.db.execute(sql, *args)
+
+        def __getattr__(self, name: str):
+            return getattr(self.db, name)
+
+    real = sqlite3.connect
+    monkeypatch.setattr(mod.sqlite3, "connect", lambda *a, **kw: Refusing(real(*a, **kw)))
+    db = mod.connect_wal(tmp_path / "a.sqlite", 5.0)
+    assert Refusing.refusals == 0 and db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    db.close()
+    Refusing.refusals = 10**9  # refused for longer than the timeout: the error is raised, not waited on forever
+    t = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        mod.connect_wal(tmp_path / "b.sqlite", 0.2)
+    assert time.monotonic() - t < 2
 
 
 def test_sqlite_lock_held_too_long_fails_closed(tmp_path):

@@ -7,7 +7,6 @@ gateway worker's spend store) share the file. Reopening the file after a restart
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lmfleet.overflow.ledger._sql import SqlLedger
-from lmfleet.overflow.store.sqlite import add_tenant_column
+from lmfleet.overflow.store.sqlite import add_tenant_column, connect_wal
 
 __all__ = ["Ledger"]
 
@@ -46,10 +45,8 @@ class Ledger(SqlLedger):
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        self._db = connect_wal(self.path, 10.0)
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
             add_tenant_column(self._db.execute)
 
