@@ -161,6 +161,7 @@ def main() -> None:
                     "blocks (8k tokens) holds about half the prefixes, as a busy production cache does")
     ap.add_argument("--serve-proxy", choices=("haproxy", "serve"), default="haproxy")
     ap.add_argument("--no-skewed", dest="skewed", action="store_false")
+    ap.add_argument("--no-uniform", dest="uniform", action="store_false", help="run the skewed workload only")
     ap.add_argument("--settle-s", type=float, default=15, help="wait for Ray's metrics report before reading counters")
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -172,9 +173,11 @@ def main() -> None:
     synth = PromptSynthesizer(AutoTokenizer.from_pretrained(resolve_source("builtin:smollm2")))
     base = (f"agent:1:{args.input}:{args.output}:prefixes={args.prefixes}x{args.prefix_tokens}:turns={args.turns}"
             f":sessions={args.sessions}")
-    workloads = {"uniform": sample_requests(parse_mix_inline(base), 2000, synth, seed=7)}
+    workloads = {"uniform": sample_requests(parse_mix_inline(base), 2000, synth, seed=7)} if args.uniform else {}
     if args.skewed:
         workloads["skewed"] = sample_requests(parse_mix_inline(f"{base}:hot={args.hot_share}"), 2000, synth, seed=7)
+    if not workloads:
+        ap.error("--no-uniform and --no-skewed leave nothing to run")
     routers = args.routers.split(",")
     results: list[dict] = []
     for rnd in range(args.rounds):
