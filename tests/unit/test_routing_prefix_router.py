@@ -154,6 +154,35 @@ def test_a_burst_of_one_prefix_spreads_once_picks_exceed_the_guard(router):
     assert route(router, SYSTEM_A, "flood 0") == first  # only the first replica holds this whole prompt
 
 
+class _YieldingCall(_Call):
+    """A remote call that, like a real one, lets other routing tasks run before it answers."""
+
+    def __await__(self):
+        yield  # one turn of the event loop (a bare yield inside a Task)
+        return self.value
+
+
+def test_a_concurrent_burst_of_one_prefix_spreads_too(router):
+    # Serve routes a burst's requests concurrently: each awaits its probe and the tree actor before it picks, so the
+    # picks the others made meanwhile must count (before the fix: all 12 on the affine replica)
+    router.queue = None
+    tree = router._tree_actor.tree
+    router._tree_actor = SimpleNamespace(**{
+        name: SimpleNamespace(remote=(lambda m: lambda *a: _YieldingCall(m(*a)))(getattr(tree, name)))
+        for name in ("prefix_match", "get_smallest_tenants", "insert")})
+    route(router, SYSTEM_A, "warm up")
+
+    async def burst() -> list[str]:
+        pending = [SimpleNamespace(args=[SimpleNamespace(messages=[{"role": "system", "content": SYSTEM_A},
+                                                                   {"role": "user", "content": f"flood {i}"}])])
+                   for i in range(12)]
+        got = await asyncio.gather(*(router.choose_replicas(router.replicas, p) for p in pending))
+        return [chosen.replica_id.unique_id for [[chosen]] in got]
+
+    got = asyncio.run(burst())
+    assert 4 <= max(got.count("r1"), got.count("r2")) <= 8, got
+
+
 def _no_prompt(arg) -> SimpleNamespace:
     """A request as Serve's routing task holds it, whose arguments carry no messages or prompt."""
     return SimpleNamespace(args=[arg] if arg is not None else [], kwargs={},

@@ -151,6 +151,11 @@ class PrefixAffinityRouter(PrefixCacheAffinityRouter):
             match_rate = len(matched_text) / len(text)
             if match_rate < self._match_rate_threshold:
                 least = await self._tree_actor.get_smallest_tenants.remote()
+        # the loads again, after the awaits above: picks made meanwhile by concurrent requests (a burst routes many
+        # at once) must count, or they all see the same idle replicas and all follow the prefix (CI saw a flood of
+        # 32, 16 at a time, go 30 / 2 with threshold 2). From here to picked() nothing awaits: check-then-pick is
+        # atomic on this event loop
+        loads = {rid: self._book.load(rid) for rid in by_id}
         rid, why = pick(loads, imbalance_threshold=self._imbalanced_threshold, matched=matched,
                         match_rate=match_rate, match_rate_threshold=self._match_rate_threshold, least_text=least,
                         rng=self._rng)
