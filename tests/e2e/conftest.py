@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,9 +45,11 @@ def fleet_env() -> dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the ephemeral range: the fleet's serve_port is bound by HAProxy only once Ray is up,
+    and an outgoing connection could take an ephemeral one meanwhile (lmfleet.serve.proxy.free_port)."""
+    from lmfleet.serve.proxy import free_port as quiet_free_port
+
+    return quiet_free_port("127.0.0.1")
 
 
 def descendants(pid: int) -> dict[int, float]:

@@ -186,3 +186,53 @@ def test_serve_env_forwards_bodies_for_prompt_aware_routers(router, proxy, forwa
     f = parse_config({"gateway": {"serve_proxy": proxy}, "models": [
         {"name": "m", "source": "builtin:tiny-random", "deployment": {"request_router": router}}]})
     assert (serve_env(f).get(FORWARD_BODY) == "1") is forwards
+
+
+@pytest.mark.parametrize("ephemeral, reserved, top, expected", [
+    # Linux's default ephemeral range and lmfleet's reserved ranges
+    ((32768, 60999), ((0, 1023), (10001, 19999), (30000, 31000), (40000, 41000)), 65535,
+     [(1024, 10000), (20000, 29999), (31001, 32767), (61000, 65535)]),
+    # an ephemeral range that swallows a reserved one, and one that reaches the top
+    ((20000, 65535), ((0, 1023), (30000, 31000)), 65535, [(1024, 19999)]),
+    # overlapping and adjacent reserved ranges merge
+    ((50000, 50010), ((0, 99), (90, 200), (201, 300)), 65535, [(301, 49999), (50011, 65535)]),
+    # nothing left
+    ((0, 65535), (), 65535, []),
+])
+def test_quiet_port_ranges(ephemeral, reserved, top, expected):
+    from lmfleet.serve.proxy import quiet_port_ranges
+
+    assert quiet_port_ranges(ephemeral, reserved, top) == expected
+
+
+def test_free_ports_avoid_the_ephemeral_and_reserved_ranges(tmp_path):
+    from lmfleet.serve.proxy import RESERVED_PORTS, ephemeral_port_range, free_ports
+
+    lo, hi = ephemeral_port_range()
+    for _ in range(20):
+        ports = free_ports()
+        assert len(set(ports.__dict__.values())) == 3
+        for p in (ports.stats, ports.metrics, ports.fallback):
+            assert not lo <= p <= hi, p
+            assert not any(a <= p <= b for a, b in RESERVED_PORTS), p
+    bad = tmp_path / "range"
+    bad.write_text("nonsense")
+    assert ephemeral_port_range(str(bad)) == (32768, 60999)
+    bad.write_text("1024\t2048\n")
+    assert ephemeral_port_range(str(bad)) == (1024, 2048)
+
+
+def test_free_port_skips_a_port_in_use(monkeypatch):
+    import random
+    import socket
+
+    from lmfleet.serve import proxy
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        taken = s.getsockname()[1]
+        picks = iter([taken, taken, taken + 0])
+        monkeypatch.setattr(proxy, "quiet_port_ranges", lambda ephemeral: [(taken, taken)])
+        monkeypatch.setattr(random, "randint", lambda lo, hi: next(picks))
+        # every pick is the taken port: after the tries it falls back to a port the OS chooses
+        assert proxy.free_port(tries=3) != taken
