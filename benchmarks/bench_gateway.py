@@ -251,6 +251,10 @@ def main() -> None:
     ap.add_argument("--pin-frontends", action="store_true",
                     help="start both servers under `taskset -c <last core>`: every process but the engines' compute "
                     "threads (which vLLM binds to core 0) stays off the engine's core")
+    ap.add_argument("--bare-nice", type=int, default=None, metavar="N",
+                    help="also measure a second bare vLLM server started under `nice -n N` (Ray starts the fleet's "
+                    "replica and engine at niceness 15): tells a tail that comes from CPU priority on a shared "
+                    "machine from one in Serve's path; ratios stay against bare vLLM at niceness 0")
     args = ap.parse_args()
 
     from lmfleet.models import resolve_source
@@ -287,23 +291,32 @@ models:
         startup = time.monotonic() - t0
         print(f"lmfleet serve: ready after {startup:.0f} s", flush=True)
         t1 = time.monotonic()
-        bare = subprocess.Popen(
-            [*pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
-             "smollm2", "--port", str(vport), "--max-model-len", "2048", "--max-num-seqs", "64", "--dtype",
-             "float32", "--disable-log-stats"],
-            env={**env, "VLLM_CPU_KVCACHE_SPACE": "2"}, stdout=(work / "bench_vllm.log").open("w"),
-            stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(bare)
-        wait_http(f"http://127.0.0.1:{vport}/v1/models", 1200, bare)
+        def start_bare(port: int, log: str, nice: list[str]) -> subprocess.Popen:
+            p = subprocess.Popen(
+                [*nice, *pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                 "--served-model-name", "smollm2", "--port", str(port), "--max-model-len", "2048", "--max-num-seqs",
+                 "64", "--dtype", "float32", "--disable-log-stats"],
+                env={**env, "VLLM_CPU_KVCACHE_SPACE": "2"}, stdout=(work / log).open("w"),
+                stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(p)
+            wait_http(f"http://127.0.0.1:{port}/v1/models", 1200, p)
+            return p
+
+        bare = start_bare(vport, "bench_vllm.log", [])
         bare_startup = time.monotonic() - t1
         print(f"bare vLLM: ready after {bare_startup:.0f} s", flush=True)
+        nport = free_port()
+        niced = (start_bare(nport, "bench_vllm_niced.log", ["nice", "-n", str(args.bare_nice)])
+                 if args.bare_nice is not None else None)
 
-        sessions = {lm.pid, bare.pid}  # each server's processes: Ray's, the engines', HAProxy
+        sessions = {lm.pid, bare.pid} | ({niced.pid} if niced else set())  # each server's processes
         targets = {
             "bare vLLM": f"http://127.0.0.1:{vport}/v1",
             "Ray Serve LLM endpoint": f"http://127.0.0.1:{sport}/smollm2/v1",
             "lmfleet gateway": f"http://127.0.0.1:{gport}/v1",
         }
+        if niced is not None:
+            targets[f"bare vLLM (nice {args.bare_nice})"] = f"http://127.0.0.1:{nport}/v1"
         results: dict[str, dict[str, list[dict]]] = {k: {"1": [], "32": []} for k in targets}
         def show(rnd: int, name: str, conc: str, r: dict) -> None:
             print(f"round {rnd + 1} {name:24s} c={conc:>2}: TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
@@ -342,7 +355,7 @@ models:
             row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env,
+                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice,
                    "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
                    "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))
