@@ -203,6 +203,23 @@ def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
+def replica_port(session: int, lo: int = 30000, hi: int = 31000) -> int | None:
+    """The port the fleet's LLMServer replica listens on in direct-streaming mode (Ray's range 30000-31000), found
+    among the listening sockets of the processes of the fleet's session; None when there is none."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) != session or "LLMServer" not in " ".join(p.cmdline()[:1]):
+                continue
+            for c in p.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN and lo <= c.laddr.port <= hi:
+                    return c.laddr.port
+        except (psutil.Error, OSError):
+            continue
+    return None
+
+
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, headers=None) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
@@ -255,6 +272,9 @@ def main() -> None:
                     help="also measure a second bare vLLM server started under `nice -n N` (Ray starts the fleet's "
                     "replica and engine at niceness 15): tells a tail that comes from CPU priority on a shared "
                     "machine from one in Serve's path; ratios stay against bare vLLM at niceness 0")
+    ap.add_argument("--replica-direct", action="store_true",
+                    help="also measure the Serve replica's own HTTP port (direct streaming, 30000-31000), bypassing "
+                    "HAProxy and the gateway: tells HAProxy's share of the fleet path's cost from the replica's")
     args = ap.parse_args()
 
     from lmfleet.models import resolve_source
@@ -317,6 +337,12 @@ models:
         }
         if niced is not None:
             targets[f"bare vLLM (nice {args.bare_nice})"] = f"http://127.0.0.1:{nport}/v1"
+        if args.replica_direct:
+            rport = replica_port(lm.pid)
+            if rport is None:
+                raise SystemExit("--replica-direct: no LLMServer replica listens on 30000-31000 (is the fleet in "
+                                 "direct-streaming mode, gateway.serve_proxy: haproxy?)")
+            targets["Serve replica, no HAProxy"] = f"http://127.0.0.1:{rport}/smollm2/v1"
         results: dict[str, dict[str, list[dict]]] = {k: {"1": [], "32": []} for k in targets}
         def show(rnd: int, name: str, conc: str, r: dict) -> None:
             print(f"round {rnd + 1} {name:24s} c={conc:>2}: TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
@@ -355,7 +381,7 @@ models:
             row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice,
+                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice, "replica_direct": args.replica_direct,
                    "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
                    "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))
