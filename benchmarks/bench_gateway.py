@@ -275,6 +275,9 @@ def main() -> None:
     ap.add_argument("--replica-direct", action="store_true",
                     help="also measure the Serve replica's own HTTP port (direct streaming, 30000-31000), bypassing "
                     "HAProxy and the gateway: tells HAProxy's share of the fleet path's cost from the replica's")
+    ap.add_argument("--engine-opt", action="append", default=[], metavar="KEY=YAML",
+                    help="another key of the model's engine section in lmfleet's fleet file, e.g. log_metrics=false; "
+                    "repeatable")
     args = ap.parse_args()
 
     from lmfleet.models import resolve_source
@@ -287,6 +290,7 @@ def main() -> None:
     batching = "" if args.batching_ms is None else f", stream_batching_interval_ms: {args.batching_ms:g}"
     engine_env = (", env: {" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in (kv.split("=", 1) for kv in args.engine_env))
                   + "}") if args.engine_env else ""
+    engine_opts = "".join(f", {k}: {v}" for k, v in (kv.split("=", 1) for kv in args.engine_opt))
     pin = ["taskset", "-c", str((os.cpu_count() or 1) - 1)] if args.pin_frontends else []
     if pin:
         os.sched_setaffinity(0, {(os.cpu_count() or 1) - 1})  # the load generator too
@@ -295,7 +299,7 @@ ledger: {{path: {work / 'bench_ledger.sqlite'}}}
 models:
   - name: smollm2
     source: builtin:smollm2
-    engine: {{max_model_len: 2048, cpu_kvcache_space_gib: 2, max_num_seqs: 64{engine_env}}}
+    engine: {{max_model_len: 2048, cpu_kvcache_space_gib: 2, max_num_seqs: 64{engine_env}{engine_opts}}}
     deployment: {{max_ongoing_requests: 64{batching}}}
 """)
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1"}
@@ -381,7 +385,7 @@ models:
             row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice, "replica_direct": args.replica_direct,
+                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice, "replica_direct": args.replica_direct, "engine_opt": args.engine_opt,
                    "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
                    "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))

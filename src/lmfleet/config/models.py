@@ -86,6 +86,12 @@ class EngineConfig(_Strict):
         description="Environment variables for the engine's processes (e.g. NCCL_* or VLLM_CPU_OMP_THREADS_BIND). "
         "Not for secrets: they are shown by `lmfleet config validate` and Ray's dashboard.",
     )
+    log_metrics: bool = Field(
+        True, description="Record vLLM's engine statistics through Ray's metrics (Ray Serve LLM's "
+        "log_engine_metrics): the gateway's engine queue counts, `lmfleet status` and the Grafana panels read them. "
+        "false: the engine keeps no statistics at all (vLLM's disable_log_stats), one step's bookkeeping less; the "
+        "queue estimate then counts only the gateway's own in-flight requests (docs/overflow.md).",
+    )
     profiler_dir: str | None = Field(
         None, min_length=2, max_length=1024,
         description="Absolute folder, on every node, where vLLM's torch profiler writes this model's traces "
@@ -121,7 +127,7 @@ class EngineConfig(_Strict):
 
     def vllm_kwargs(self) -> dict[str, Any]:
         """Engine keyword arguments for vLLM (only the options that were set)."""
-        skip = {"extra_args", "cpu_kvcache_space_gib", "device", "env", "profiler_dir"}
+        skip = {"extra_args", "cpu_kvcache_space_gib", "device", "env", "profiler_dir", "log_metrics"}
         out = {k: v for k, v in self.model_dump().items() if k not in skip and v is not None
                and not (k in _OFF_BY_DEFAULT and v == _OFF_BY_DEFAULT[k])}
         out.update(self.extra_args)

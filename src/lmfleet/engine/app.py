@@ -159,11 +159,13 @@ def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     engine_kwargs.setdefault("allowed_media_domains", list(NO_MEDIA_DOMAINS))
     if (prof := profiler_config(model)) is not None:
         engine_kwargs.setdefault("profiler_config", prof)
+    if not model.engine.log_metrics:
+        engine_kwargs.setdefault("disable_log_stats", True)
     kwargs: dict[str, Any] = {
         "model_loading_config": {"model_id": model.name, "model_source": model_path},
         "engine_kwargs": engine_kwargs,
         "deployment_config": serve_deployment_options(model.deployment),
-        "log_engine_metrics": True,
+        "log_engine_metrics": model.engine.log_metrics,
         "accelerator_config": {"kind": engine_device(model)},
     }
     if model.deployment.stream_batching_interval_ms is not None:
