@@ -190,8 +190,10 @@ def test_serve_env_forwards_bodies_for_prompt_aware_routers(router, proxy, forwa
 
 @pytest.mark.parametrize("ephemeral, reserved, top, expected", [
     # Linux's default ephemeral range and lmfleet's reserved ranges
-    ((32768, 60999), ((0, 1023), (10001, 19999), (30000, 31000), (40000, 41000)), 65535,
-     [(1024, 10000), (20000, 29999), (31001, 32767), (61000, 65535)]),
+    ((32768, 60999), ((0, 19999), (30000, 31000), (40000, 41000)), 65535,
+     [(20000, 29999), (31001, 32767), (61000, 65535)]),
+    # a gap between two reserved ranges stays
+    ((32768, 60999), ((0, 1023), (10001, 19999)), 65535, [(1024, 10000), (20000, 32767), (61000, 65535)]),
     # an ephemeral range that swallows a reserved one, and one that reaches the top
     ((20000, 65535), ((0, 1023), (30000, 31000)), 65535, [(1024, 19999)]),
     # overlapping and adjacent reserved ranges merge

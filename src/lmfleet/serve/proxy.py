@@ -170,10 +170,12 @@ def is_node_haproxy(cmdline: list[str], node_id: str) -> bool:
 # Ports chosen now and bound only later (HAProxy binds its stats, Prometheus and serve ports tens of seconds
 # after lmfleet picks them, once Ray and Serve are up) must not be ones the OS or Ray may hand out meanwhile:
 # the kernel's ephemeral range (every outgoing connection and every bind to port 0 takes one; a test run
-# lost a fleet to "cannot bind socket (Address already in use)" for HAProxy's Prometheus port), Ray's worker
-# ports (10002-19999 and the client's 10001) and Serve's direct-ingress replica ports (HTTP 30000-31000,
-# gRPC 40000-41000), and the privileged ones.
-RESERVED_PORTS: tuple[tuple[int, int], ...] = ((0, 1023), (10001, 19999), (30000, 31000), (40000, 41000))
+# lost a fleet to "cannot bind socket (Address already in use)" for HAProxy's Prometheus port); everything
+# below 20000: the well-known ports of Ray and its neighbours (GCS 6379, dashboard 8265, Serve 8000/9000,
+# HAProxy's defaults 8404/9101, the fallback proxy's 8500, PostgreSQL 5432, ...) and Ray's worker ports
+# (10002-19999, the client's 10001); and Serve's direct-ingress replica ports (HTTP 30000-31000, gRPC
+# 40000-41000). What is left: 20000-29999, 31001-32767 and 61000-65535 with Linux's default ephemeral range.
+RESERVED_PORTS: tuple[tuple[int, int], ...] = ((0, 19999), (30000, 31000), (40000, 41000))
 DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
 
 
