@@ -98,11 +98,12 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
 
         await one_stream(client, url, model, prompt, 4, headers)  # warm the path
         t0 = time.perf_counter()
+        t0_wall = time.time()
         await asyncio.gather(*(worker() for _ in range(requests)))
         wall = time.perf_counter() - t0
     return {"ttft_p50_ms": pct(ttfts, 0.5) * 1000, "ttft_p99_ms": pct(ttfts, 0.99) * 1000,
             "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall, "errors": len(errors),
-            "samples": sorted(samples)}
+            "samples": sorted(samples), "t0_wall": t0_wall}
 
 
 def c1_order(names: list[str], i: int, alternate: bool) -> list[str]:
@@ -203,6 +204,36 @@ def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
+def probe_summary(log: Path, t0_wall: float, wall_s: float, first: int = 32) -> str | None:
+    """What benchmarks/replica_probe.py saw inside the replica during one phase (None: nothing): when the phase's
+    first ``first`` requests reached vLLM's app and the engine (ms after the phase began: first / median / last), and
+    arrival -> first body byte inside the replica over all the phase's requests (P50 / P99 / max)."""
+    if not log.exists():
+        return None
+    http, adds = [], []
+    for line in log.read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        t = e.get("arrival", e.get("t", 0.0))
+        if not t0_wall <= t <= t0_wall + wall_s:
+            continue
+        (http if e["ev"] == "http" else adds).append(e)
+    if not http:
+        return None
+    ms = lambda xs: [round((x - t0_wall) * 1000) for x in xs]  # noqa: E731
+    arr = sorted(e["arrival"] for e in http)[:first]
+    add = sorted(e["t"] for e in adds)[:first]
+    inside = [(e["first_byte"] - e["arrival"]) * 1000 for e in http if e.get("first_byte")]
+
+    def three(xs: list[int]) -> str:
+        return f"{xs[0]} / {xs[len(xs) // 2]} / {xs[-1]}" if xs else "-"
+    return (f"replica: first {len(arr)} arrivals at {three(ms(arr))} ms, add_request at {three(ms(add))} ms; "
+            f"arrival -> first byte P50 {pct(inside, 0.5):.0f} P99 {pct(inside, 0.99):.0f} max {max(inside):.0f} ms "
+            f"({len(http)} requests)")
+
+
 def replica_port(session: int, lo: int = 30000, hi: int = 31000) -> int | None:
     """The port the fleet's LLMServer replica listens on in direct-streaming mode (Ray's range 30000-31000), found
     among the listening sockets of the processes of the fleet's session; None when there is none."""
@@ -278,6 +309,10 @@ def main() -> None:
     ap.add_argument("--engine-opt", action="append", default=[], metavar="KEY=YAML",
                     help="another key of the model's engine section in lmfleet's fleet file, e.g. log_metrics=false; "
                     "repeatable")
+    ap.add_argument("--replica-probe", action="store_true",
+                    help="load benchmarks/replica_probe.py into the fleet's replica (Ray Serve LLM's engine-class "
+                    "escape hatch) and print, per 32-stream phase through the fleet, when the requests reached vLLM's "
+                    "app and the engine inside the replica")
     args = ap.parse_args()
 
     from lmfleet.models import resolve_source
@@ -288,6 +323,11 @@ def main() -> None:
     gport, sport, vport = free_port(), free_port(), free_port()
     fleet = work / "bench_fleet.yaml"
     batching = "" if args.batching_ms is None else f", stream_batching_interval_ms: {args.batching_ms:g}"
+    probe_log = work / "replica_probe.jsonl"
+    if args.replica_probe:
+        probe_log.unlink(missing_ok=True)
+        args.engine_env += [f"PYTHONPATH={REPO / 'benchmarks'}", "RAYLLM_VLLM_ENGINE_CLS=replica_probe.TimedVLLMEngine",
+                            f"LMFLEET_PROBE_LOG={probe_log}"]
     engine_env = (", env: {" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in (kv.split("=", 1) for kv in args.engine_env))
                   + "}") if args.engine_env else ""
     engine_opts = "".join(f", {k}: {v}" for k, v in (kv.split("=", 1) for kv in args.engine_opt))
@@ -315,12 +355,19 @@ models:
         startup = time.monotonic() - t0
         print(f"lmfleet serve: ready after {startup:.0f} s", flush=True)
         t1 = time.monotonic()
+        bare_probe_log = work / "bare_probe.jsonl"
+        probe_args, probe_env = [], {}
+        if args.replica_probe:
+            bare_probe_log.unlink(missing_ok=True)
+            probe_args = ["--middleware", "replica_probe.TimingMiddleware"]
+            probe_env = {"PYTHONPATH": str(REPO / "benchmarks"), "LMFLEET_PROBE_LOG": str(bare_probe_log)}
+
         def start_bare(port: int, log: str, nice: list[str]) -> subprocess.Popen:
             p = subprocess.Popen(
                 [*nice, *pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                  "--served-model-name", "smollm2", "--port", str(port), "--max-model-len", "2048", "--max-num-seqs",
-                 "64", "--dtype", "float32", "--disable-log-stats"],
-                env={**env, "VLLM_CPU_KVCACHE_SPACE": "2"}, stdout=(work / log).open("w"),
+                 "64", "--dtype", "float32", "--disable-log-stats", *probe_args],
+                env={**env, "VLLM_CPU_KVCACHE_SPACE": "2", **probe_env}, stdout=(work / log).open("w"),
                 stderr=subprocess.STDOUT, start_new_session=True)
             procs.append(p)
             wait_http(f"http://127.0.0.1:{port}/v1/models", 1200, p)
@@ -371,6 +418,10 @@ models:
                         slow = sorted(r["samples"], key=lambda x: -x[1])[:4]
                         print("    slowest first tokens (started at s -> TTFT s): " + ", ".join(
                             f"{a:.2f} -> {b:.2f}" for a, b in slow), flush=True)
+                        seen = (probe_summary(bare_probe_log if name.startswith("bare") else probe_log, r["t0_wall"],
+                                              r["wall_s"]) if args.replica_probe else None)
+                        if seen:
+                            print("    " + seen, flush=True)
                     print("    CPU s over the phase (ms per 1,000 tokens): " + ", ".join(
                         f"{k} {v:.1f} ({1e6 * v / tokens:.0f})" for k, v in list(r["cpu_s"].items())[:12]),
                         flush=True)
@@ -385,7 +436,7 @@ models:
             row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice, "replica_direct": args.replica_direct, "engine_opt": args.engine_opt,
+                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice, "replica_direct": args.replica_direct, "engine_opt": args.engine_opt, "replica_probe": args.replica_probe,
                    "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
                    "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,77 @@
+"""Timestamps from inside a Serve replica: when each HTTP request reached vLLM's app and when its first body byte
+left, and when vLLM's ``AsyncLLM.add_request`` ran. For ``bench_gateway.py --replica-probe``; not part of lmfleet.
+
+Loaded in the replica through Ray Serve LLM's engine-class escape hatch: ``bench_gateway.py --replica-probe`` puts
+this folder on the replica's ``PYTHONPATH`` and sets ``RAYLLM_VLLM_ENGINE_CLS=replica_probe.TimedVLLMEngine``
+(``engine.env`` in the fleet file). Each event is one JSON line in ``LMFLEET_PROBE_LOG``::
+
+    {"ev": "http", "arrival": t, "first_byte": t, "end": t, "path": "/smollm2/v1/completions"}
+    {"ev": "add_request", "t": t}
+
+(wall-clock ``time.time()``, comparable with the load generator's ``time.time()`` on the same machine).
+The bare vLLM server of the same run gets :class:`TimingMiddleware` alone, through vLLM's own ``--middleware``
+option (no ``add_request`` events there).
+``arrival`` is when the request entered vLLM's ASGI app, i.e. after Serve's ``_direct_ingress_asgi`` took it;
+``add_request`` is when vLLM handed it to the engine core (after parsing and tokenizing it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+
+LOG_ENV = "LMFLEET_PROBE_LOG"
+
+
+class _Log:
+    def __init__(self, path: str):
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the replica
+
+    def write(self, **event) -> None:
+        self._f.write(json.dumps(event) + "\n")
+
+
+class TimingMiddleware:
+    """Pure ASGI middleware: arrival, first non-empty body chunk sent, last chunk sent."""
+
+    def __init__(self, app, log: _Log | None = None):
+        self.app = app
+        self.log = log or _Log(os.environ.get(LOG_ENV, "/tmp/lmfleet_replica_probe.jsonl"))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        arrival = time.time()
+        first = None
+
+        async def timed_send(msg):
+            nonlocal first
+            await send(msg)
+            if msg["type"] == "http.response.body":
+                if first is None and msg.get("body"):
+                    first = time.time()
+                if not msg.get("more_body", False):
+                    self.log.write(ev="http", arrival=arrival, first_byte=first, end=time.time(),
+                                   path=scope.get("path", ""))
+
+        await self.app(scope, receive, timed_send)
+
+
+class TimedVLLMEngine(VLLMEngine):
+    async def build_asgi_app(self):
+        app = await super().build_asgi_app()
+        log = _Log(os.environ.get(LOG_ENV, "/tmp/lmfleet_replica_probe.jsonl"))
+        client = self._engine_client
+        original = client.add_request
+
+        async def add_request(*args, **kwargs):
+            log.write(ev="add_request", t=time.time())
+            return await original(*args, **kwargs)
+
+        client.add_request = add_request
+        app.middleware_stack = None  # vLLM built the stack already; Starlette rebuilds it with ours
+        app.add_middleware(TimingMiddleware, log=log)
+        return app
