@@ -5,13 +5,14 @@ Loaded in the replica through Ray Serve LLM's engine-class escape hatch: ``bench
 this folder on the replica's ``PYTHONPATH`` and sets ``RAYLLM_VLLM_ENGINE_CLS=replica_probe.TimedVLLMEngine``
 (``engine.env`` in the fleet file). Each event is one JSON line in ``LMFLEET_PROBE_LOG``::
 
-    {"ev": "http", "arrival": t, "first_byte": t, "end": t, "path": "/smollm2/v1/completions"}
+    {"ev": "http", "entry": t, "arrival": t, "first_byte": t, "end": t, "path": "/smollm2/v1/completions"}
     {"ev": "add_request", "t": t}
 
 (wall-clock ``time.time()``, comparable with the load generator's ``time.time()`` on the same machine).
 The bare vLLM server of the same run gets :class:`TimingMiddleware` alone, through vLLM's own ``--middleware``
 option (no ``add_request`` events there).
-``arrival`` is when the request entered vLLM's ASGI app, i.e. after Serve's ``_direct_ingress_asgi`` took it;
+``entry`` is when Serve's ``Replica._direct_ingress_asgi`` got the request from uvicorn (null in bare vLLM);
+``arrival`` is when the request entered vLLM's ASGI app, i.e. after Serve's wrapper passed it on;
 ``add_request`` is when vLLM handed it to the engine core (after parsing and tokenizing it).
 """
 
@@ -54,14 +55,37 @@ class TimingMiddleware:
                 if first is None and msg.get("body"):
                     first = time.time()
                 if not msg.get("more_body", False):
-                    self.log.write(ev="http", arrival=arrival, first_byte=first, end=time.time(),
-                                   path=scope.get("path", ""))
+                    self.log.write(ev="http", entry=scope.get(ENTRY_KEY), arrival=arrival, first_byte=first,
+                                   end=time.time(), path=scope.get("path", ""))
 
         await self.app(scope, receive, timed_send)
 
 
+ENTRY_KEY = "lmfleet_probe_entry"
+
+
+def _patch_serve_entry() -> None:
+    """Stamp each HTTP request's entry into Serve's ``Replica._direct_ingress_asgi`` (after uvicorn parsed it, before
+    Serve's wrapper) in its ASGI scope; :class:`TimingMiddleware` logs it as ``entry``. Serve looks the method up
+    when it starts the replica's HTTP server, after the engine (and so this module) was loaded."""
+    from ray.serve._private import replica as serve_replica
+
+    original = serve_replica.Replica._direct_ingress_asgi
+    if getattr(original, "_lmfleet_probe", False):
+        return
+
+    async def stamped(self, scope, receive, send):
+        if scope.get("type") == "http":
+            scope[ENTRY_KEY] = time.time()
+        return await original(self, scope, receive, send)
+
+    stamped._lmfleet_probe = True
+    serve_replica.Replica._direct_ingress_asgi = stamped
+
+
 class TimedVLLMEngine(VLLMEngine):
     async def build_asgi_app(self):
+        _patch_serve_entry()
         app = await super().build_asgi_app()
         log = _Log(os.environ.get(LOG_ENV, "/tmp/lmfleet_replica_probe.jsonl"))
         client = self._engine_client
