@@ -15,6 +15,7 @@ failure with its numbers (docs/tenants.md has the runs).
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import subprocess
@@ -81,11 +82,38 @@ class Flood:
         self.refusals += [tuple(x) for x in res["refusals"]][: max(0, 50 - len(self.refusals))]
 
 
+class GcClock:
+    """Milliseconds this process spent in Python's garbage collector (gc.callbacks), so that a slow sample can be
+    told from a pause of the measuring process itself."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._t = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t) * 1000
+
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
+GC = GcClock()
+GC_SLOW: list[float] = []  # GC ms inside each B sample that had more than 5 ms of it
+
+
 def trickle(c: httpx.Client, n: int, starts: list[float] | None = None) -> tuple[list[float], list[int]]:
     """``n`` streamed completions one after another: (TTFT of each in seconds, status of each); ``starts`` gets
     each answered request's start time (perf_counter)."""
     ttfts, statuses = [], []
     for _ in range(n):
+        gc_before = GC.ms
         t0 = time.perf_counter()
         with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 8,
                                                        "stream": True}) as r:
@@ -94,6 +122,8 @@ def trickle(c: httpx.Client, n: int, starts: list[float] | None = None) -> tuple
             for line in r.iter_lines():
                 if first is None and line.startswith("data:"):
                     first = time.perf_counter() - t0
+            if GC.ms - gc_before > 5:
+                GC_SLOW.append(round(GC.ms - gc_before, 1))
             if r.status_code == 200 and first is not None:
                 ttfts.append(first)
                 if starts is not None:
@@ -133,7 +163,7 @@ def test_batch_flood_leaves_interactive_latency_and_stays_off_the_paid_provider(
     solo, flooded, b_statuses = [], [], []
     when: list[float] = []  # each flooded sample's start, seconds into its block (after the flood's 2 s ramp)
     flood = Flood(fleet.base_url, TENANT_A_KEY)
-    with httpx.Client(base_url=fleet.base_url, headers={"authorization": f"Bearer {TENANT_B_KEY}"},
+    with GC, httpx.Client(base_url=fleet.base_url, headers={"authorization": f"Bearer {TENANT_B_KEY}"},
                       timeout=120) as b:
         _, s = trickle(b, 3)  # warm: connections, the tokenizer path; not in the TTFTs (in the ledger)
         b_ok += s.count(200)
@@ -171,6 +201,8 @@ def test_batch_flood_leaves_interactive_latency_and_stays_off_the_paid_provider(
           f"p99 {p99(unlimited) * 1e3:.1f} (n={len(unlimited)}); A ok {flood.ok} 429 {flood.refused} other "
           f"{flood.other}; default ok {control.ok}; load {load}")
 
+    print(f"measuring process: {GC.ms:.0f} ms in the garbage collector while B ran; samples with > 5 ms of it: "
+          f"{GC_SLOW}")
     print("B's slowest flooded first tokens (s into the block -> ms): " + ", ".join(
         f"{w:.2f} -> {t * 1e3:.0f}" for t, w in sorted(zip(flooded, when), reverse=True)[:8]))
     assert set(b_statuses) == {200}, b_statuses  # B never refused

@@ -469,6 +469,11 @@ class GatewayConfig(_Strict):
         "its own event loop (each serves its own /metrics). 1 suits a 2-core node; about one per spare core beyond "
         "that (docs/gateways.md)."
     )
+    loop_stall_warn_ms: float = Field(
+        500.0, ge=0, description="Log a warning with the event loop's stack when the gateway's loop has not run for "
+        "this long (something blocked it; every request in flight waits), and how long it stalled once it runs "
+        "again. lmfleet_gateway_loop_lag_seconds has the loop's lateness either way. 0: no warnings."
+    )
     health_poll_s: float = Field(2.0, gt=0, description="How often the gateway polls deployment health.")
     engine_metrics_poll_s: float = Field(
         5.0, ge=0, description="How often the gateway reads vLLM's running/waiting counts from every Ray node's "

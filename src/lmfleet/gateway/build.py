@@ -31,6 +31,7 @@ from lmfleet.gateway.router import Router, ServedModel
 from lmfleet.gateway.budget import BudgetGuard
 from lmfleet.gateway.run import Recorder
 from lmfleet.gateway.service import Gateway
+from lmfleet.gateway.loopwatch import LoopWatch
 from lmfleet.gateway.tokens import load_tokenizer_or_none
 from lmfleet.gateway.tracing import request_tracer
 from lmfleet.gateway.upstream import HttpPool
@@ -221,7 +222,8 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
                  recorder=recorder, health=health, metrics=metrics, providers=providers,
                  clients=[local_client, *(p.client for p in providers.values())],
                  tenants=tenants, admin_key=admin_key or None,
-                 engine_stats=engine_stats, tracer=request_tracer(fleet.observability))
+                 engine_stats=engine_stats, tracer=request_tracer(fleet.observability),
+                 loopwatch=LoopWatch(stall_ms=fleet.gateway.loop_stall_warn_ms, observe=metrics.loop_lag.observe))
     trusted = allowed_hosts(host, fleet.gateway.allowed_hosts)
     if trusted is None and fleet.gateway.allowed_hosts is None:
         log.info("gateway: listening on %s, so every Host header is accepted; set gateway.allowed_hosts to "

@@ -85,6 +85,9 @@ class GatewayMetrics:
                                  "call (body, validation, tokenizing, routing), by model (lmfleet profile).",
                                  ["model"], buckets=_PREPARE_BUCKETS, registry=r)
         self._prepare_children: dict[str, Any] = {}
+        self.loop_lag = Histogram("lmfleet_gateway_loop_lag_seconds", "How late the gateway's event loop woke up from "
+                                  "a 0.1 s timer (blocked or starved of CPU; docs/gateways.md).",
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
 
     def observe_prepare(self, model: str, seconds: float) -> None:
         """One request's gateway phase; ``model`` is a served model's name (the label set stays bounded)."""

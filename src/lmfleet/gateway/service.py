@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from lmfleet.gateway.backends import ProviderBackend
 from lmfleet.gateway.health import HealthBoard
+from lmfleet.gateway.loopwatch import LoopWatch
 from lmfleet.gateway.metrics import GatewayMetrics
 from lmfleet.gateway.peers import PeerBoard
 from lmfleet.gateway.pollers import EngineStatsPoller
@@ -36,6 +37,8 @@ class Gateway:
     """Set by the process that runs the gateway on a Ray cluster (lmfleet.gateway.peers); None in tests."""
     tracer: RequestTracer | None = None
     """OpenTelemetry spans per request (``observability.otlp_endpoint``); None: tracing off."""
+    loopwatch: LoopWatch | None = None
+    """The event-loop watchdog (``gateway.loop_stall_warn_ms``); None in tests that build a gateway by hand."""
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -58,6 +61,8 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self.engine_stats.run()))
         if self.peers is not None:
             self._tasks.append(asyncio.create_task(self.peers.run()))
+        if self.loopwatch is not None:
+            self._tasks.append(asyncio.create_task(self.loopwatch.run()))
 
     async def close(self) -> None:
         for t in self._tasks:
