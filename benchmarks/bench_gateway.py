@@ -56,13 +56,23 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-                     headers: dict) -> tuple[float, int]:
+                     headers: dict, seen: dict | None = None) -> tuple[float, int]:
+    """One streamed completion: (TTFT in seconds, chunks). ``seen`` (optional) gets httpcore's own times
+    (``time.perf_counter()``) of when the request's headers started to go out and when the response's headers
+    were in: tells a late request that the client sent late from one that the server took in late."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0}
     t0 = time.perf_counter()
     ttft = None
     chunks = 0
-    async with client.stream("POST", f"{url}/completions", json=body, headers=headers) as r:
+    ext = {}
+    if seen is not None:
+        async def trace(name: str, info: dict) -> None:
+            if name in ("connection.connect_tcp.started", "connection.connect_tcp.complete",
+                        "http11.send_request_headers.started", "http11.receive_response_headers.complete"):
+                seen[name.split(".", 1)[1]] = time.perf_counter()
+        ext = {"trace": trace}
+    async with client.stream("POST", f"{url}/completions", json=body, headers=headers, extensions=ext) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: {") and '"text"' in line:
@@ -72,38 +82,83 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: st
     return ttft or float("nan"), chunks
 
 
-async def load(url: str, model: str, concurrency: int, requests: int, max_tokens: int, headers: dict) -> dict:
+async def load(url: str, model: str, concurrency: int, requests: int, max_tokens: int, headers: dict,
+               warm_connections: bool = True) -> dict:
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
     sem = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
     samples: list[tuple[float, float]] = []  # (start, TTFT) per request, seconds since the phase began
+    sent: list[float] = []  # when each answered request's headers started to go out (httpcore), same clock
     tokens = 0
     errors: list[str] = []
     t0 = 0.0
+
+    rids = iter(range(1_000_000))
+    trace: list[dict] = []  # per answered request: its id (in the prompt, for --replica-probe) and client times
 
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         async def worker():
             nonlocal tokens
             async with sem:
                 start = time.perf_counter() - t0
+                seen: dict = {}
+                rid = next(rids)
                 try:
-                    t, n = await one_stream(client, url, model, prompt, max_tokens, headers)
+                    t, n = await one_stream(client, url, model, f"[rid {rid:06d}] " + prompt, max_tokens, headers,
+                                            seen)
                 except httpx.HTTPError as e:  # counted and reported, not fatal: one failure must not lose the run
                     errors.append(f"{type(e).__name__}: {e}"[:200])
                     print(f"  request failed: {errors[-1]}", flush=True)
                     return
                 ttfts.append(t)
                 samples.append((round(start, 4), round(t, 4)))
+                sent.append(round(seen.get("send_request_headers.started", t0) - t0, 4))
+                trace.append({"rid": rid, "start": round(start, 4), "ttft": round(t, 4),
+                              **{k: round(v - t0, 4) for k, v in seen.items()}})
                 tokens += n
 
         await one_stream(client, url, model, prompt, 4, headers)  # warm the path
+        if warm_connections and concurrency > 1:
+            # open the phase's connections before it starts: see --cold-connections
+            await asyncio.gather(*(one_stream(client, url, model, prompt, 1, headers) for _ in range(concurrency)))
+            await asyncio.sleep(1.5)  # let the engine's worker settle as before a cold phase (vLLM spins 1 s)
         t0 = time.perf_counter()
         t0_wall = time.time()
         await asyncio.gather(*(worker() for _ in range(requests)))
         wall = time.perf_counter() - t0
     return {"ttft_p50_ms": pct(ttfts, 0.5) * 1000, "ttft_p99_ms": pct(ttfts, 0.99) * 1000,
             "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall, "errors": len(errors),
-            "samples": sorted(samples), "t0_wall": t0_wall}
+            "samples": sorted(samples), "sent": sorted(sent), "trace": trace, "t0_wall": t0_wall}
+
+
+def run_load(url: str, concurrency: int, requests: int, max_tokens: int, warm: bool, in_process: bool) -> dict:
+    """:func:`load` in a fresh Python process (by default) or in this one (``in_process``). In session 16 the
+    32-stream phases run in this long-lived process sent 11-42 of 96 requests on the fleet's paths more than
+    0.3 s after their turn came (0 on bare vLLM), and those late starts made the phase's P99; the same
+    :func:`load` in a fresh process against the same fleet, bare vLLM up and idle, sent none late (mechanism not
+    found). The child's own CPU seconds come back as ``client_cpu_s``."""
+    if in_process:
+        return asyncio.run(load(url, "smollm2", concurrency, requests, max_tokens, {}, warm))
+    args = json.dumps([url, concurrency, requests, max_tokens, warm])
+    out = subprocess.run([sys.executable, __file__, "--load-only", args], capture_output=True, text=True,
+                         timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"load generator failed ({out.returncode}): {out.stderr[-2000:]}")
+    lines = out.stdout.strip().splitlines()
+    for line in lines[:-1]:
+        print(line, flush=True)  # failed requests are reported there
+    return json.loads(lines[-1])
+
+
+def load_only(spec: str) -> None:
+    """The child of :func:`run_load`: one phase, its result as one JSON line on stdout."""
+    import resource
+
+    url, concurrency, requests, max_tokens, warm = json.loads(spec)
+    r = asyncio.run(load(url, "smollm2", concurrency, requests, max_tokens, {}, warm))
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    r["client_cpu_s"] = ru.ru_utime + ru.ru_stime
+    print(json.dumps(r))
 
 
 def c1_order(names: list[str], i: int, alternate: bool) -> list[str]:
@@ -210,7 +265,8 @@ def probe_summary(log: Path, t0_wall: float, wall_s: float, first: int = 32) -> 
     arrival -> first body byte inside the replica over all the phase's requests (P50 / P99 / max)."""
     if not log.exists():
         return None
-    http, adds = [], []
+    http, adds, gcs, lags = [], [], [], []
+    gc_ms, gc_n = [0.0, 0.0, 0.0], [0, 0, 0]
     for line in log.read_text().splitlines():
         try:
             e = json.loads(line)
@@ -219,7 +275,11 @@ def probe_summary(log: Path, t0_wall: float, wall_s: float, first: int = 32) -> 
         t = e.get("arrival", e.get("t", 0.0))
         if not t0_wall <= t <= t0_wall + wall_s:
             continue
-        (http if e["ev"] == "http" else adds).append(e)
+        if e["ev"] == "gcsum":
+            gc_ms = [a + b for a, b in zip(gc_ms, e["ms"])]
+            gc_n = [a + b for a, b in zip(gc_n, e["n"])]
+            continue
+        {"http": http, "add_request": adds, "gc": gcs, "lag": lags}.get(e["ev"], []).append(e)
     if not http:
         return None
     ms = lambda xs: [round((x - t0_wall) * 1000) for x in xs]  # noqa: E731
@@ -231,7 +291,9 @@ def probe_summary(log: Path, t0_wall: float, wall_s: float, first: int = 32) -> 
         return f"{xs[0]} / {xs[len(xs) // 2]} / {xs[-1]}" if xs else "-"
     return (f"replica: first {len(arr)} arrivals at {three(ms(arr))} ms, add_request at {three(ms(add))} ms; "
             f"arrival -> first byte P50 {pct(inside, 0.5):.0f} P99 {pct(inside, 0.99):.0f} max {max(inside):.0f} ms "
-            f"({len(http)} requests)")
+            f"({len(http)} requests); GC per generation ms (count) {', '.join(f'{m:.0f} ({n})' for m, n in zip(gc_ms, gc_n))}"
+            f", longest {max((e['ms'] for e in gcs), default=0):.0f} ms; loop late >= 20 ms {len(lags)} times, "
+            f"{sum(e['ms'] for e in lags):.0f} ms in all, longest {max((e['ms'] for e in lags), default=0):.0f} ms")
 
 
 def replica_port(session: int, lo: int = 30000, hi: int = 31000) -> int | None:
@@ -249,6 +311,64 @@ def replica_port(session: int, lo: int = 30000, hi: int = 31000) -> int | None:
         except (psutil.Error, OSError):
             continue
     return None
+
+
+def replica_pid(session: int) -> int | None:
+    """The pid of the fleet's LLMServer replica (Ray's worker titled ``ray::ServeReplica:...LLMServer...``)."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == session and "LLMServer" in " ".join(p.cmdline()[:1]):
+                return p.pid
+        except (psutil.Error, OSError):
+            continue
+    return None
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+
+
+def start_py_spy(pid: int | None, out: Path) -> tuple[subprocess.Popen, Path, float] | None:
+    """py-spy recording ``pid`` (all threads, non-idle samples only) until :func:`stop_py_spy`."""
+    if pid is None:
+        return None
+    exe = Path(sys.executable).with_name("py-spy")
+    p = subprocess.Popen([str(exe), "record", "--nonblocking", "--threads", "-r", "200", "-f", "raw",
+                          "-o", str(out), "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    return p, out, time.monotonic()
+
+
+def stop_py_spy(p: subprocess.Popen, out: Path, t0: float) -> str:
+    """Stop a recording and summarise it: per thread its samples, and the top self-time frames of the busiest one."""
+    seconds = time.monotonic() - t0
+    p.send_signal(signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.wait(30)
+    if not out.exists():
+        return f"py-spy: no output ({out.name})"
+    threads: dict[str, int] = {}
+    frames: dict[str, dict[str, int]] = {}
+    for line in out.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        parts = stack.split(";")
+        thread = parts[0]
+        threads[thread] = threads.get(thread, 0) + int(n)
+        leaf = parts[-1] if len(parts) > 1 else "?"
+        frames.setdefault(thread, {})
+        frames[thread][leaf] = frames[thread].get(leaf, 0) + int(n)
+    if not threads:
+        return f"py-spy: empty ({out.name})"
+    busiest = max(threads, key=threads.get)
+    top = sorted(frames[busiest].items(), key=lambda kv: -kv[1])[:8]
+    tot = threads[busiest]
+    busy = ", ".join(f"{k[:40]} {v / (200 * seconds):.0%}" for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:4])
+    return (f"py-spy {out.name}: threads busy (share of {seconds:.0f} s): {busy}; busiest's top frames: "
+            + "; ".join(f"{k[:70]} {v / tot:.0%}" for k, v in top))
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, headers=None) -> float:
@@ -313,6 +433,22 @@ def main() -> None:
                     help="load benchmarks/replica_probe.py into the fleet's replica (Ray Serve LLM's engine-class "
                     "escape hatch) and print, per 32-stream phase through the fleet, when the requests reached vLLM's "
                     "app and the engine inside the replica")
+    ap.add_argument("--cold-connections", action="store_true",
+                    help="start each 32-stream phase on a client with one open connection, as until session 15: "
+                    "the load generator then opens 31 connections as the phase starts, and in session 16's runs "
+                    "httpx's TCP connects took up to 2.8 s to complete, one after another, while the servers' "
+                    "accept queues never overflowed; a request was sent up to 4 s after it started (per-request "
+                    "times: the JSON's 'trace'), which split the first wave and put the client's delay into the "
+                    "32-stream P99. By default the phase's connections are opened first, by 32 one-token "
+                    "requests, 1.5 s before it starts")
+    ap.add_argument("--in-process-client", action="store_true",
+                    help="run every 32-stream phase's load generator in this process, as until session 15, "
+                    "instead of a fresh process per phase (see run_load: in session 16 this process sent a third "
+                    "of the fleet paths' requests late)")
+    ap.add_argument("--py-spy", action="store_true",
+                    help="record every 32-stream phase of bare vLLM's API server and of the fleet's LLMServer replica "
+                    "with py-spy (--nonblocking, 200 Hz, non-idle samples: collapsed stacks next to --out, one file "
+                    "per phase), and print how busy each thread was and the busiest thread's top self-time frames")
     args = ap.parse_args()
 
     from lmfleet.models import resolve_source
@@ -409,12 +545,25 @@ models:
             for name, url in targets.items():
                 for conc, n in ((("1", args.requests_1),) if not args.rotate_c1 else ()) + (("32", args.requests_32),):
                     before = cpu_times(sessions)
-                    r = asyncio.run(load(url, "smollm2", int(conc), n, args.max_tokens, {}))
+                    spy = (start_py_spy(bare.pid if name == "bare vLLM" else replica_pid(lm.pid),
+                                        work / f"pyspy_r{rnd + 1}_{slug(name)}.txt")
+                           if args.py_spy and conc == "32" and name != f"bare vLLM (nice {args.bare_nice})" else None)
+                    r = run_load(url, int(conc), n, args.max_tokens, not args.cold_connections,
+                                 args.in_process_client)
+                    if spy is not None:
+                        print("    " + stop_py_spy(*spy), flush=True)
                     r["cpu_s"] = cpu_delta(before, cpu_times(sessions))
+                    if "client_cpu_s" in r:
+                        r["cpu_s"]["load generator (its own process)"] = r["client_cpu_s"]
+                        r["cpu_s"] = dict(sorted(r["cpu_s"].items(), key=lambda kv: -kv[1]))
                     results[name][conc].append(r)
                     show(rnd, name, conc, r)
                     tokens = r["output_tok_s"] * r["wall_s"]
                     if conc == "32" and r["samples"]:
+                        first = r["sent"][:32]
+                        print(f"    client sent the first {len(first)} requests' headers at {first[0] * 1000:.0f} / "
+                              f"{first[len(first) // 2] * 1000:.0f} / {first[-1] * 1000:.0f} ms (first / median / "
+                              "last)", flush=True)
                         slow = sorted(r["samples"], key=lambda x: -x[1])[:4]
                         print("    slowest first tokens (started at s -> TTFT s): " + ", ".join(
                             f"{a:.2f} -> {b:.2f}" for a, b in slow), flush=True)
@@ -436,7 +585,7 @@ models:
             row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice, "replica_direct": args.replica_direct, "engine_opt": args.engine_opt, "replica_probe": args.replica_probe,
+                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice, "replica_direct": args.replica_direct, "engine_opt": args.engine_opt, "replica_probe": args.replica_probe, "in_process_client": args.in_process_client, "cold_connections": args.cold_connections,
                    "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
                    "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))
@@ -454,4 +603,7 @@ models:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--load-only":
+        load_only(sys.argv[2])
+    else:
+        main()

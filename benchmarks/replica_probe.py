@@ -8,6 +8,10 @@ this folder on the replica's ``PYTHONPATH`` and sets ``RAYLLM_VLLM_ENGINE_CLS=re
     {"ev": "http", "entry": t, "arrival": t, "first_byte": t, "end": t, "path": "/smollm2/v1/completions"}
     {"ev": "add_request", "t": t}
 
+    {"ev": "gc", "t": t, "gen": 2, "ms": 41.0}          (every collection of 5 ms or more)
+    {"ev": "gcsum", "t": t, "ms": [g0, g1, g2], "n": [n0, n1, n2]}   (all collections, per second)
+    {"ev": "lag", "t": t, "ms": 120.0}                  (the event loop answered a 10 ms timer >= 20 ms late)
+
 (wall-clock ``time.time()``, comparable with the load generator's ``time.time()`` on the same machine).
 The bare vLLM server of the same run gets :class:`TimingMiddleware` alone, through vLLM's own ``--middleware``
 option (no ``add_request`` events there).
@@ -18,13 +22,17 @@ option (no ``add_request`` events there).
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import os
+import re
 import time
 
 from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
 
 LOG_ENV = "LMFLEET_PROBE_LOG"
+_RID = re.compile(rb"\[rid (\d+)\]")  # bench_gateway's per-request id at the start of the prompt
 
 
 class _Log:
@@ -33,6 +41,48 @@ class _Log:
 
     def write(self, **event) -> None:
         self._f.write(json.dumps(event) + "\n")
+
+
+class _LoopWatch:
+    """Once per process: a GC callback (each collection's generation and duration) and a 10 ms timer on the serving
+    event loop whose lateness shows when the loop was blocked (GC, a long callback) or not scheduled."""
+
+    started = False
+
+    @classmethod
+    def start(cls, log: _Log) -> None:
+        if cls.started:
+            return
+        cls.started = True
+        t0 = [0.0]
+        acc = {"ms": [0.0, 0.0, 0.0], "n": [0, 0, 0], "since": time.time()}
+
+        def on_gc(phase, info):
+            if phase == "start":
+                t0[0] = time.perf_counter()
+                return
+            ms = (time.perf_counter() - t0[0]) * 1000
+            g = info.get("generation", 0)
+            acc["ms"][g] += ms
+            acc["n"][g] += 1
+            now = time.time()
+            if ms >= 5:
+                log.write(ev="gc", t=now, gen=g, ms=round(ms, 2))
+            if now - acc["since"] >= 1:
+                log.write(ev="gcsum", t=now, ms=[round(x, 2) for x in acc["ms"]], n=acc["n"])
+                acc.update(ms=[0.0, 0.0, 0.0], n=[0, 0, 0], since=now)
+
+        gc.callbacks.append(on_gc)
+
+        async def watch():
+            while True:
+                t = time.perf_counter()
+                await asyncio.sleep(0.01)
+                late = (time.perf_counter() - t - 0.01) * 1000
+                if late >= 20:
+                    log.write(ev="lag", t=time.time(), ms=round(late, 1))
+
+        asyncio.get_running_loop().create_task(watch())
 
 
 class TimingMiddleware:
@@ -46,7 +96,18 @@ class TimingMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         arrival = time.time()
+        _LoopWatch.start(self.log)
         first = None
+        rid = None
+        inner_receive = receive
+
+        async def receive():  # noqa: F811 - reads the request id bench_gateway puts at the prompt's start
+            nonlocal rid
+            msg = await inner_receive()
+            if rid is None and msg.get("type") == "http.request":
+                m = _RID.search(msg.get("body", b"")[:4096])
+                rid = int(m.group(1)) if m else -1
+            return msg
 
         async def timed_send(msg):
             nonlocal first
@@ -56,7 +117,7 @@ class TimingMiddleware:
                     first = time.time()
                 if not msg.get("more_body", False):
                     self.log.write(ev="http", entry=scope.get(ENTRY_KEY), arrival=arrival, first_byte=first,
-                                   end=time.time(), path=scope.get("path", ""))
+                                   end=time.time(), path=scope.get("path", ""), rid=rid)
 
         await self.app(scope, receive, timed_send)
 
