@@ -105,6 +105,7 @@ class GcClock:
 
 
 GC = GcClock()
+TRACES: list = []
 GC_SLOW: list[float] = []  # GC ms inside each B sample that had more than 5 ms of it
 
 
@@ -115,8 +116,14 @@ def trickle(c: httpx.Client, n: int, starts: list[float] | None = None) -> tuple
     for _ in range(n):
         gc_before = GC.ms
         t0 = time.perf_counter()
+        seen = {}
+
+        def trace(name, info, seen=seen):
+            if name in ("http11.send_request_headers.started", "http11.receive_response_headers.complete",
+                        "connection.connect_tcp.complete"):
+                seen[name.split(".", 1)[1]] = round((time.perf_counter() - t0) * 1000, 1)
         with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 8,
-                                                       "stream": True}) as r:
+                                                       "stream": True}, extensions={"trace": trace}) as r:
             statuses.append(r.status_code)
             first = None
             for line in r.iter_lines():
@@ -125,6 +132,7 @@ def trickle(c: httpx.Client, n: int, starts: list[float] | None = None) -> tuple
             if GC.ms - gc_before > 5:
                 GC_SLOW.append(round(GC.ms - gc_before, 1))
             if r.status_code == 200 and first is not None:
+                TRACES.append((round(first * 1000, 1), dict(seen)))
                 ttfts.append(first)
                 if starts is not None:
                     starts.append(t0)
@@ -203,6 +211,7 @@ def test_batch_flood_leaves_interactive_latency_and_stays_off_the_paid_provider(
 
     print(f"measuring process: {GC.ms:.0f} ms in the garbage collector while B ran; samples with > 5 ms of it: "
           f"{GC_SLOW}")
+    print("slowest B samples, client times (ms):", sorted(TRACES, key=lambda x: -x[0])[:12])
     print("B's slowest flooded first tokens (s into the block -> ms): " + ", ".join(
         f"{w:.2f} -> {t * 1e3:.0f}" for t, w in sorted(zip(flooded, when), reverse=True)[:8]))
     assert set(b_statuses) == {200}, b_statuses  # B never refused
