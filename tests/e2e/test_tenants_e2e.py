@@ -15,11 +15,14 @@ failure with its numbers (docs/tenants.md has the runs).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -104,6 +107,74 @@ class GcClock:
         gc.callbacks.remove(self)
 
 
+class CpuWait:
+    """How long this (the measuring) process waited for a CPU: a thread sleeps 2 ms at a time and keeps each
+    wake-up later than 5 ms as (when, seconds late). A slow B sample during which this process itself was not
+    running is the 2-core machine's, not the fleet's (issue 11 found whole client processes unscheduled for up to
+    2 s on this VM)."""
+
+    def __init__(self) -> None:
+        self.late: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-wait", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.002)
+            late = time.perf_counter() - t - 0.002
+            if late > 0.005:
+                self.late.append((t + 0.002, late))
+
+    def within(self, t0: float, t1: float) -> float:
+        """Seconds of waiting that overlap [t0, t1]."""
+        return sum(max(0.0, min(w + d, t1) - max(w, t0)) for w, d in self.late)
+
+    def __enter__(self) -> "CpuWait":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(1)
+
+
+@contextlib.contextmanager
+def measuring_client_first(nice: int = -10):
+    """B's client stands for a client on its own machine; here it shares 2 cores with a saturated fleet, and in
+    session 17 most of B's slowest flooded samples were time this process spent waiting for a CPU (CpuWait: 201 of
+    208 ms, 132 of 142, 113 of 113). So while B measures, this process and its session's autogroup (with autogroup
+    scheduling, niceness only orders tasks inside a session's group; groups share the CPU by the group's own nice)
+    run at ``nice``. Needs CAP_SYS_NICE (root, as in CI); without it nothing changes. Restored afterwards."""
+    changed = []
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        changed.append(lambda: os.setpriority(os.PRIO_PROCESS, 0, before))
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/autogroup") as f:
+            group_before = f.read().split("nice")[-1].strip()
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+
+        def restore_group() -> None:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(group_before)
+        changed.append(restore_group)
+    except OSError:
+        pass
+    try:
+        yield bool(changed)
+    finally:
+        for undo in reversed(changed):
+            try:
+                undo()
+            except OSError:
+                pass
+
+
 GC = GcClock()
 TRACES: list = []
 GC_SLOW: list[float] = []  # GC ms inside each B sample that had more than 5 ms of it
@@ -171,7 +242,8 @@ def test_batch_flood_leaves_interactive_latency_and_stays_off_the_paid_provider(
     solo, flooded, b_statuses = [], [], []
     when: list[float] = []  # each flooded sample's start, seconds into its block (after the flood's 2 s ramp)
     flood = Flood(fleet.base_url, TENANT_A_KEY)
-    with GC, httpx.Client(base_url=fleet.base_url, headers={"authorization": f"Bearer {TENANT_B_KEY}"},
+    abs_starts: list[float] = []  # each flooded sample's start (perf_counter), for the CPU-wait report
+    with GC, CpuWait() as cpu_wait, measuring_client_first() as boosted, httpx.Client(base_url=fleet.base_url, headers={"authorization": f"Bearer {TENANT_B_KEY}"},
                       timeout=120) as b:
         _, s = trickle(b, 3)  # warm: connections, the tokenizer path; not in the TTFTs (in the ledger)
         b_ok += s.count(200)
@@ -189,6 +261,7 @@ def test_batch_flood_leaves_interactive_latency_and_stays_off_the_paid_provider(
             flood.stop()
             flooded += t
             when += [round(x - began, 2) for x in starts]
+            abs_starts += starts
             b_statuses += s
     b_ok += b_statuses.count(200)
     a_ok += flood.ok
@@ -212,8 +285,12 @@ def test_batch_flood_leaves_interactive_latency_and_stays_off_the_paid_provider(
     print(f"measuring process: {GC.ms:.0f} ms in the garbage collector while B ran; samples with > 5 ms of it: "
           f"{GC_SLOW}")
     print("slowest B samples, client times (ms):", sorted(TRACES, key=lambda x: -x[0])[:12])
-    print("B's slowest flooded first tokens (s into the block -> ms): " + ", ".join(
-        f"{w:.2f} -> {t * 1e3:.0f}" for t, w in sorted(zip(flooded, when), reverse=True)[:8]))
+    print("B's slowest flooded first tokens (s into the block -> ms, of which this process waited for a CPU): "
+          + ", ".join(f"{w:.2f} -> {t * 1e3:.0f} ({cpu_wait.within(a, a + t) * 1e3:.0f})"
+                      for t, w, a in sorted(zip(flooded, when, abs_starts), reverse=True)[:8]))
+    print(f"measuring process waited > 5 ms for a CPU {len(cpu_wait.late)} times while B ran, "
+          f"{sum(d for _, d in cpu_wait.late) * 1e3:.0f} ms in all, longest "
+          f"{max((d for _, d in cpu_wait.late), default=0) * 1e3:.0f} ms (measuring process at nice -10: {boosted})")
     assert set(b_statuses) == {200}, b_statuses  # B never refused
     assert len(solo) == len(flooded) == BLOCKS * PER_BLOCK
     # the issue's bound; on this shared 2-core machine it failed in 4 of 5 runs (docs/tenants.md): reported as an
