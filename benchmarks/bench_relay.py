@@ -94,12 +94,10 @@ def serve_gateway(config: str, fake_url: str, loop: str, http: str, profile_out:
 
     from lmfleet.config import load_config
 
-    from lmfleet.gateway.app import quiet_gc
     from lmfleet.gateway.server import uvicorn_options
 
     fleet = load_config(config)
     app = make_gateway_app(fleet, fake_url)
-    quiet_gc()  # as `lmfleet serve` does
     # "lmfleet": the HTTP protocol and limits `lmfleet serve` runs with (uvicorn's httptools protocol, guarded)
     opts = uvicorn_options(fleet.gateway) if http == "lmfleet" else {"http": http}
     server = uvicorn.Server(uvicorn.Config(app, host=fleet.gateway.host, port=fleet.gateway.port, loop=loop,
@@ -127,10 +125,8 @@ class Gateway:
 
 
 def start_gateway(folder: Path, fake_url: str, variant: str, admin_key: str, profile_out: str | None) -> Gateway:
-    loop, http, *client = variant.split(":")
+    loop, http = variant.split(":")
     env = {**os.environ, ADMIN_ENV: admin_key}
-    if client:  # a third part picks the stream client: "aiohttp" is the one before streamclient.py
-        env["LMFLEET_STREAM_CLIENT"] = client[0]
     port = free_port()
     cfg = write_fleet(folder, port, fake_url)
     argv = [sys.executable, __file__, "--serve-gateway", str(cfg), "--fake-url", fake_url, "--loop", loop,
@@ -502,8 +498,7 @@ def main() -> None:
     ap.add_argument("--itl-ms", type=float, default=0.0, help="the fake engine's inter-token latency")
     ap.add_argument("--variants", default="uvloop:lmfleet",
                     help="uvicorn loop:http pairs, one gateway process each; http \"lmfleet\" is what lmfleet serve runs "
-                         "(httptools behind gateway/server.py guarded_protocol); a third part :aiohttp streams "
-                         "through aiohttp instead of gateway/streamclient.py (LMFLEET_STREAM_CLIENT)")
+                         "(httptools behind gateway/server.py guarded_protocol)")
     ap.add_argument("--paths", default="provider,local", help="gateway paths to measure (direct always runs)")
     ap.add_argument("--fleet-tokens-s", type=float, default=50_000.0, help="fleet output rate to size gateways for")
     ap.add_argument("--profile", type=Path, help="cProfile the first variant's gateway into this file")

@@ -598,27 +598,3 @@ def test_limits_are_shared_only_when_there_are_several_processes_to_share_them(t
         assert gw.recorder.store is book.shared.store  # closed with the ledger at shutdown
         if budget:
             assert gw.router.guard.store is book.shared.store
-
-
-async def test_batch_with_a_yield_time_waits_for_a_starting_interactive_request(tmp_path):
-    # first_token_yield_ms on the real gateway: b's interactive request is starting (held before its answer), so a's
-    # batch request does not take one of the three free slots until b's answer comes (or its 5 s yield runs out)
-    release = threading.Event()
-    app = tenant_gateway(tmp_path, {"a": {"priority": "batch"}, "b": {}}, local=_held_local(release, "ok"),
-                         models=[QUICK_M], classes=[{"name": "interactive", "order": 0},
-                                                    {"name": "batch", "order": 10, "max_wait_s": 30,
-                                                     "first_token_yield_ms": 5000}])
-    q = app.state.gateway.models["m"].queue
-    c = await _client(app)
-    held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
-    interactive = asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("b")))
-    await _until(lambda: q.starting == {0: 1})
-    batch = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT, headers=key("a")))
-    await _until(lambda: len(q.waiting) == 1)
-    await asyncio.sleep(0.2)
-    assert not batch.done() and q.running == 1  # three slots free, held back
-    release.set()
-    assert (await interactive).status_code == 200
-    r = await asyncio.wait_for(batch, 5)
-    assert r.status_code == 200 and r.headers["x-lmfleet-priority"] == "batch"
-    assert q.running == 0 and not q.waiting and not q.starting

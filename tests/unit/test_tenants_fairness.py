@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmfleet.tenants.fairness import Waiting, expired, next_to_dispatch, served, yields
+from lmfleet.tenants.fairness import Waiting, expired, next_to_dispatch, served
 
 I, B = 0, 10  # class orders: interactive, batch
 
@@ -70,16 +70,3 @@ def test_served_does_not_mutate():
 def test_expired(now, want):
     queue = [_w(3, "b", deadline=20.0), _w(1, "a", deadline=10.0), _w(2, "a", I)]
     assert [w.seq for w in expired(queue, now)] == want
-
-
-@pytest.mark.parametrize("order,starting,want", [
-    (10, {}, False),                 # nothing starting
-    (10, {0: 1}, True),              # an interactive request is starting: batch holds back
-    (10, {0: 0}, False),             # a zero count is no one
-    (0, {0: 2, 10: 3}, False),       # the most urgent class yields to no one (not even its own kind)
-    (10, {10: 4}, False),            # batch does not yield to batch
-    (20, {10: 1}, True),             # any more urgent class counts
-    (10, {20: 1, 30: 2}, False),     # less urgent ones never do
-])
-def test_yields(order, starting, want):
-    assert yields(order, starting) is want

@@ -103,7 +103,7 @@ def test_bad_sizes_are_refused(capacity, max_waiting):
         DispatchQueue(capacity, max_waiting)
 
 
-async def test_waiting_behind_counts_the_lower_classes_that_yield():
+async def test_waiting_behind_counts_the_less_urgent_classes():
     q = DispatchQueue(capacity=1)
     assert q.try_enter()
     parked = [asyncio.create_task(q.wait("a", BATCH, None)) for _ in range(3)]
@@ -154,46 +154,3 @@ async def test_a_smaller_share_queues_and_a_larger_one_dispatches_at_once():
     await _settle()
     assert who == ["b0", "b1"] and q.running == 4
     await asyncio.gather(*tasks)
-
-
-# --- yielding to starting requests (first_token_yield_ms) ----------------------------------------------------
-
-
-async def test_batch_yields_to_a_starting_interactive_request_until_its_first_token():
-    q = DispatchQueue(capacity=4)
-    assert q.try_enter(INTERACTIVE)
-    q.begin_start(INTERACTIVE)  # dispatched, no first token yet
-    assert not q.try_enter(BATCH, yield_s=5.0)  # a free slot, but batch holds back
-    assert q.try_enter(BATCH, yield_s=0.0)  # a class without a yield time does not
-    q.leave()
-    batch = asyncio.create_task(q.wait("a", BATCH, None, yield_s=5.0))
-    await _settle()
-    assert not batch.done() and q.running == 1
-    # an interactive request arriving meanwhile goes at once, ahead of the batch one that holds a free slot back
-    assert await asyncio.wait_for(q.wait("b", INTERACTIVE, None), 1) and q.running == 2
-    q.begin_start(INTERACTIVE)
-    q.end_start(INTERACTIVE)
-    await _settle()
-    assert not batch.done()  # one interactive request still starting
-    q.end_start(INTERACTIVE)  # the last one's first token
-    assert await asyncio.wait_for(batch, 1) and q.running == 3 and not q.starting
-
-
-async def test_a_yield_is_bounded_by_its_time():
-    q = DispatchQueue(capacity=2)
-    assert q.try_enter(INTERACTIVE)
-    q.begin_start(INTERACTIVE)  # and its first token never comes
-    loop = asyncio.get_running_loop()
-    t = loop.time()
-    assert await asyncio.wait_for(q.wait("a", BATCH, None, yield_s=0.2), 2)
-    assert 0.15 <= loop.time() - t < 1.5 and q.running == 2
-
-
-async def test_a_yielding_request_still_gets_its_deadline():
-    q = DispatchQueue(capacity=2)
-    assert q.try_enter(INTERACTIVE)
-    q.begin_start(INTERACTIVE)
-    assert not await q.wait("a", BATCH, 0.05, yield_s=5.0)  # its deadline came before the yield ended: no slot
-    assert q.running == 1 and not q.waiting
-    q.end_start(INTERACTIVE)
-    assert q.try_enter(BATCH, yield_s=5.0)

@@ -68,11 +68,6 @@ class PriorityClass(_Strict):
         "the predicted wait is under the model's overflow.threshold_ms, else a provider). Set: requests wait "
         "locally up to this long, go to a paid provider only when their tenant has batch_may_use_providers, "
         "else get 429.")
-    first_token_yield_ms: float = Field(
-        0.0, ge=0, le=60000, description="How long, at most, a request of this class waits before its local "
-        "dispatch while requests of a more urgent class are starting there (dispatched, no first token yet): "
-        "their prefill goes first on a busy engine. 0 (the default): it does not wait for them. Measured on a 2-core "
-        "CPU fleet (docs/tenants.md, session 14): no effect on an interactive tenant's TTFT there.")
 
 
 def default_priority_classes() -> list[PriorityClass]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -217,25 +216,6 @@ class GatewayApp(FastAPI):
             await self.openai_routes(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
-
-
-GC_THRESHOLDS = (20_000, 20, 20)
-"""Collector thresholds while serving (Python's default: 700, 10, 10)."""
-
-
-def quiet_gc() -> None:
-    """Keep the cyclic garbage collector off the data path; for a process that serves a gateway, called once
-    it has started (it changes the whole process's collector settings, so the app does not call it itself).
-
-    The process carries a large, long-lived heap (FastAPI, pydantic, tokenizers, Ray, sometimes torch); with
-    Python's default thresholds a request's few hundred short-lived objects trigger collections that walk it,
-    and py-spy on benchmarks/bench_relay.py put a quarter of the gateway's CPU in ``gc_collect_main``.
-    ``gc.freeze()`` moves everything alive after start-up out of the collector's sight, and larger thresholds
-    make the collections that remain rarer (each one walks only what requests left behind).
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def create_app(gw: Gateway, cfg: GatewayConfig | None = None, *,

@@ -43,7 +43,7 @@ ALONE_PERIOD_S = 2.0
 """How often a gateway that the registry shows no fresh peer reports (its configured period, if longer). Alone,
 there is nobody to share a queue estimate with: the report only keeps it listed (``lmfleet cluster status``) and
 lets a newcomer find it. At 4 reports a second the registry actor and the reporting thread cost ~2 % of a core on an
-idle 2-core node (session 12, docs/benchmarks.md); a gateway that starts later is counted by this one at its next
+idle 2-core node (docs/benchmarks.md); a gateway that starts later is counted by this one at its next
 report, within this period."""
 
 

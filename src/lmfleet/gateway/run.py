@@ -342,8 +342,6 @@ class RequestRun:
         """The tenant's admission (None: no tenant): tokens are counted on it; whoever answers releases it."""
         self.queue = model.queue if plan.priority is not None else None
         self._holds_queue_slot = False
-        self._starting = False
-        """A local slot held and no first token yet (:meth:`DispatchQueue.begin_start`)."""
         self._queue_expired = False
 
     # ---- answers -----------------------------------------------------------------------------
@@ -367,7 +365,6 @@ class RequestRun:
         b, slot, st = await self._first_success(lambda ep: open_stream(ep, self.path, self.req.body))
         ttft = time.monotonic() - self.t0
         b.first_token(slot)
-        self._started()
         if self.span is not None:
             self._relay_span = self.tracer.start_relay(self.span)  # type: ignore[union-attr]
         return RelayResponse(self._relay(st, b, slot, ttft), headers={**self._headers(b), "cache-control": "no-cache"})
@@ -444,31 +441,21 @@ class RequestRun:
         deadline there (or the request's timeout) passed first."""
         q, cls = self.queue, self.plan.priority
         assert q is not None and cls is not None
-        yield_s = cls.first_token_yield_ms / 1000.0
-        if q.try_enter(cls.order, yield_s):
+        if q.try_enter():
             self._holds_queue_slot = True
         else:
             timeout = self._remaining()
             if cls.max_wait_s is not None:
                 timeout = min(timeout, self.t0 + cls.max_wait_s - time.monotonic())
             tenant = self.ticket.tenant if self.ticket is not None else ""
-            self._holds_queue_slot = await q.wait(tenant, cls.order, timeout, yield_s)
+            self._holds_queue_slot = await q.wait(tenant, cls.order, timeout)
             if not self._holds_queue_slot:
                 if cls.max_wait_s is not None and self._remaining() > 0:
                     self._queue_expired = True
                 return False
-        q.begin_start(cls.order)
-        self._starting = True
         return True
 
-    def _started(self) -> None:
-        """The local attempt's first token came (or it ended): requests that yield to this one's class may go."""
-        if self._starting:
-            self._starting = False
-            self.queue.end_start(self.plan.priority.order)  # type: ignore[union-attr]
-
     def _leave_queue(self) -> None:
-        self._started()
         if self._holds_queue_slot:
             self._holds_queue_slot = False
             self.queue.leave()  # type: ignore[union-attr]

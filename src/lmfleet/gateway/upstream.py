@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -37,11 +36,6 @@ from lmfleet.gateway.streamclient import StreamPool
 from lmfleet.overflow.breaker import parse_retry_after
 
 
-STREAM_CLIENT_ENV = "LMFLEET_STREAM_CLIENT"
-"""``aiohttp``: streams over plain http use aiohttp too instead of :mod:`lmfleet.gateway.streamclient` (for
-benchmarks/bench_relay.py's side-by-side; unset in production)."""
-
-
 class HttpPool:
     """Keep-alive connection pools to one kind of backend, opened on the gateway's event loop by :meth:`open`
     (the app's lifespan) or at first use: streams over plain http (the local replicas) through the lean
@@ -53,7 +47,6 @@ class HttpPool:
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._streams: StreamPool | None = None
-        self.lean_streams = os.environ.get(STREAM_CLIENT_ENV, "").lower() != "aiohttp"
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -70,7 +63,7 @@ class HttpPool:
     async def post_stream(self, url: yarl.URL, body: bytes, headers: dict[str, str]) -> Any:
         """Send a streaming request; the response has ``status``, ``headers``, ``read()``, ``content.readany()``,
         ``content.at_eof()``, ``content.set_exception()``, ``release()`` and ``close()`` whichever client sent it."""
-        if url.scheme == "http" and self.lean_streams:
+        if url.scheme == "http":
             if self._streams is None:
                 self._streams = StreamPool(max_connections=self.max_connections,
                                            connect_timeout_s=self.connect_timeout_s)

@@ -91,9 +91,6 @@ class GatewayServer:
             with contextlib.suppress(BaseException):
                 self.task.result()
             return False
-        from lmfleet.gateway.app import quiet_gc
-
-        quiet_gc()  # everything loaded so far is long-lived: keep the collector from walking it per request
         return True
 
     async def stop(self) -> None:

@@ -9,10 +9,6 @@
   goes next: round-robin across the tenants that wait, not across requests. A tenant's next request
   waits for at most one dispatch per other waiting tenant of its class, however many they queued.
 * **Within a tenant, first come first served** (arrival number).
-* **A class may yield to starting requests** (:func:`yields`): while a request of a more urgent class is
-  starting locally (dispatched, no first token yet), a request whose class has ``first_token_yield_ms`` waits
-  up to that long before it is dispatched, so that the urgent request's prefill does not share the engine's
-  step (and the node's CPU) with a newly arrived batch one. Bounded: after its yield time it goes.
 
 A linear scan of a bounded queue (the gateway caps it): O(n) per dispatch, no state beyond
 ``last_served``, which the caller updates with :func:`served`.
@@ -23,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Waiting", "expired", "next_to_dispatch", "served", "yields"]
+__all__ = ["Waiting", "expired", "next_to_dispatch", "served"]
 
 
 @dataclass(frozen=True)
@@ -37,20 +33,12 @@ class Waiting:
     """Its class's ``order`` (lower goes first)."""
     deadline: float | None = None
     """Monotonic time after which it stops waiting (refused or sent to a provider); None: none."""
-    yield_until: float = float("-inf")
-    """Monotonic time until which it yields to starting requests of more urgent classes (:func:`yields`)."""
 
 
 def next_to_dispatch(waiting: Iterable[Waiting], last_served: Mapping[str, int]) -> Waiting | None:
     """The request to dispatch next (None: nothing waits). ``last_served``: tenant -> sequence number of its
     latest dispatch (absent: never served, goes first)."""
     return min(waiting, key=lambda w: (w.order, last_served.get(w.tenant, -1), w.seq), default=None)
-
-
-def yields(order: int, starting: Mapping[int, int]) -> bool:
-    """Whether a request of class ``order`` (one that yields) holds back now: ``starting`` (class order -> requests
-    dispatched locally that have no first token yet) has one of a more urgent class (lower order)."""
-    return any(n > 0 and o < order for o, n in starting.items())
 
 
 def served(last_served: Mapping[str, int], tenant: str, dispatch_no: int) -> dict[str, int]:

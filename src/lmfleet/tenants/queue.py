@@ -3,17 +3,11 @@ when a slot frees up :func:`next_to_dispatch` picks who goes (class order, then 
 tenant, then arrival).
 
     q = DispatchQueue(capacity=8)
-    if not q.try_enter(cls.order, yield_s):                          # fast path: a free slot, nobody waiting
-        if not await q.wait(tenant, cls.order, timeout_s, yield_s):  # parked; False: its time ran out, no slot
-            ...                                                      # deadline passed (429 or a provider)
-    q.begin_start(cls.order)                                         # dispatched: starting until its first token
-    try: ... run the request locally; q.end_start(cls.order) at its first token (or when it ends) ...
-    finally: q.leave()                                               # the slot goes to the next one chosen
-
-``yield_s`` (the class's ``first_token_yield_ms``): while a request of a more urgent class is starting (between
-``begin_start`` and ``end_start``), this one is not dispatched for up to ``yield_s`` (fairness.yields); a timer
-dispatches it when that time is up, and the urgent request's first token dispatches it at once. The starting
-count is this process's own (other gateway processes' starting requests are not seen).
+    if not q.try_enter():                                   # fast path: a free slot, nobody waiting
+        if not await q.wait(tenant, cls.order, timeout_s):  # parked; False: its time ran out, no slot
+            ...                                             # deadline passed (429 or a provider)
+    try: ... run the request locally ...
+    finally: q.leave()                                      # the slot goes to the next one chosen
 
 One per model and gateway process; the gateway builds them only when tenants are configured. With several
 gateway processes (workers, or gateways on other nodes) each reports how many local slots it holds through the
@@ -32,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from lmfleet.tenants.fairness import Waiting, next_to_dispatch, yields
+from lmfleet.tenants.fairness import Waiting, next_to_dispatch
 
 __all__ = ["DispatchQueue", "QueueFull"]
 
@@ -64,10 +58,6 @@ class DispatchQueue:
         self._by_order_view: Mapping[int, int] = MappingProxyType(self._by_order)
         self._arrivals = itertools.count()
         self._dispatches = itertools.count()
-        self.starting: dict[int, int] = {}
-        """Class order -> requests dispatched here that have no first token yet (:meth:`begin_start`)."""
-        self._wake: asyncio.TimerHandle | None = None
-        self._wake_at = math.inf
 
     @property
     def share(self) -> int:
@@ -83,39 +73,22 @@ class DispatchQueue:
         self._peer_at = self._clock() if now is None else now
         self._dispatch()
 
-    def try_enter(self, order: int = 0, yield_s: float = 0.0) -> bool:
-        """Take a slot now if one is free, nobody waits and (with ``yield_s``) no more urgent request is starting
-        (no await: the uncontended path costs nothing)."""
-        if self.running < self.share and not self.waiting and not (yield_s > 0 and yields(order, self.starting)):
+    def try_enter(self) -> bool:
+        """Take a slot now if one is free and nobody waits (no await: the uncontended path costs nothing)."""
+        if self.running < self.share and not self.waiting:
             self.running += 1
             return True
         return False
 
-    def begin_start(self, order: int) -> None:
-        """A request of class ``order`` was dispatched and waits for its first token: the classes that yield
-        hold back (up to their yield time) until :meth:`end_start`."""
-        self.starting[order] = self.starting.get(order, 0) + 1
-
-    def end_start(self, order: int) -> None:
-        """That request's first token came (or it ended without one): whoever yielded to it may go."""
-        n = self.starting.get(order, 0) - 1
-        if n > 0:
-            self.starting[order] = n
-        else:
-            self.starting.pop(order, None)
-            self._dispatch()
-
-    async def wait(self, tenant: str, order: int, timeout_s: float | None, yield_s: float = 0.0) -> bool:
+    async def wait(self, tenant: str, order: int, timeout_s: float | None) -> bool:
         """Wait for a slot: True once dispatched (the caller holds it and must :meth:`leave`), False when
         ``timeout_s`` ran out first. Raises :class:`QueueFull` when the queue is at ``max_waiting``; a
-        cancelled waiter leaves no trace (a slot dispatched to it meanwhile is passed on). ``yield_s``: see the
-        module docstring."""
-        if self.try_enter(order, yield_s):
+        cancelled waiter leaves no trace (a slot dispatched to it meanwhile is passed on)."""
+        if self.try_enter():
             return True
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests already wait for a local slot")
-        w = Waiting(next(self._arrivals), tenant, order,
-                    yield_until=self._clock() + yield_s if yield_s > 0 else -math.inf)
+        w = Waiting(next(self._arrivals), tenant, order)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiting[w] = fut
         self._by_order[order] = self._by_order.get(order, 0) + 1
@@ -123,7 +96,7 @@ class DispatchQueue:
         try:
             if timeout_s is not None and timeout_s <= 0:
                 return False
-            if self.running < self.share:  # free slots held back for yielding requests: this one may go first
+            if self.running < self.share:  # the share grew (the peers' count went stale) with requests waiting
                 self._dispatch()
             async with asyncio.timeout(timeout_s):
                 await fut
@@ -147,7 +120,7 @@ class DispatchQueue:
     @property
     def waiting_by_order(self) -> Mapping[int, int]:
         """How many requests wait now, per class order (a read-only live view; orders with none are absent): what
-        :func:`lmfleet.gateway.router.class_wait_ms` needs to leave the classes that yield out of an estimate."""
+        :func:`lmfleet.gateway.router.class_wait_ms` needs to leave the less urgent classes out of an estimate."""
         return self._by_order_view
 
     def waiting_behind(self, order: int) -> int:
@@ -169,27 +142,9 @@ class DispatchQueue:
             w = next_to_dispatch(self.waiting, self.last_served)
             assert w is not None
             fut = self.waiting[w]
-            if not fut.done() and self.starting and yields(w.order, self.starting):
-                now = self._clock()
-                if w.yield_until > now:  # it yields (and so does everyone behind it) until then, or a first token
-                    self._wake_up_at(w.yield_until, now)
-                    return
             self._drop(w)
             if fut.done():  # its wait ended (timeout, cancellation) before it could run
                 continue
             self.last_served[w.tenant] = next(self._dispatches)
             self.running += 1
             fut.set_result(None)
-
-    def _wake_up_at(self, t: float, now: float) -> None:
-        """Run :meth:`_dispatch` again at clock time ``t`` (one timer: the earliest asked for)."""
-        if self._wake is not None and self._wake_at <= t:
-            return
-        if self._wake is not None:
-            self._wake.cancel()
-        self._wake_at = t
-        self._wake = asyncio.get_running_loop().call_later(max(0.0, t - now), self._woken)
-
-    def _woken(self) -> None:
-        self._wake, self._wake_at = None, math.inf
-        self._dispatch()
