@@ -47,7 +47,6 @@ from lmfleet.overflow.budget import DAY_S
 from lmfleet.overflow.store import Cap, StoreUnavailable, caps_for_budget, tenant_key
 from lmfleet.tenants import PRIORITY_HEADER, Outcome, Tenant, TenantBook, Ticket
 from lmfleet.tenants.queue import DispatchQueue
-from lmfleet.tenants import Reason as AdmissionReason
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -150,7 +149,7 @@ class Plan:
     """The routing decision for one request."""
 
     backends: list[Backend]
-    reason: Reason | AdmissionReason
+    reason: Reason
     estimate_ms: float
     ticket: Ticket | None = None
     """The tenant's admission (None: no tenant): its slot in flight is freed when the request ends."""
@@ -275,7 +274,7 @@ class Router:
             # to the peers and the dashboard as "overflowing"): a batch request's estimate counts the whole queue,
             # which an interactive one overtakes, and must not lower the bar interactive requests overflow at
             m.hysteresis = d.state
-        reason: Reason | AdmissionReason = (Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider
+        reason: Reason = (Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider
                                             else d.reason)
         if tenant is not None and cls is not None and self.tenants is not None:
             plan = await self._admit(m, tenant, cls, prompt_tokens, d, reason, estimate, budget, store_down,
@@ -286,7 +285,7 @@ class Router:
         return self._plan(m, d, reason, estimate, budget, store_down)
 
     async def _admit(self, m: ServedModel, tenant: Tenant, cls: PriorityClass, prompt_tokens: int, d: RouteDecision,
-                     reason: Reason | AdmissionReason, estimate: float, budget: BudgetStatus | None, store_down: bool,
+                     reason: Reason, estimate: float, budget: BudgetStatus | None, store_down: bool,
                      local_down: bool) -> Plan:
         """Today's decision ``d`` under the tenant's admission: its limits (429), and for a class with a local
         deadline: local while within it, a paid provider only when the tenant allows it, else 429. Admission and
@@ -312,7 +311,7 @@ class Router:
             if cls.max_wait_s is not None and a.outcome is not Outcome.PROVIDER and not (
                     local_down and d.is_provider and tenant.batch_may_use_providers):
                 # held locally (within its deadline): a paid provider only as a fallback the tenant allows
-                why = AdmissionReason.WITHIN_DEADLINE if d.is_provider or d.is_reject else reason
+                why = Reason.WITHIN_DEADLINE if d.is_provider or d.is_reject else reason
                 self._child(self.metrics.overflowed, m.name, "local", why.value).inc()
                 fallbacks = self._fallbacks(m, None, budget, store_down) if tenant.batch_may_use_providers else []
                 return Plan([m.local, *fallbacks], why, estimate, ticket, headers, cls)
@@ -325,7 +324,7 @@ class Router:
             return [p for p in m.providers if p.name != chosen and p.healthy()]
         return []
 
-    def _plan(self, m: ServedModel, d: RouteDecision, reason: Reason | AdmissionReason, estimate: float,
+    def _plan(self, m: ServedModel, d: RouteDecision, reason: Reason, estimate: float,
               budget: BudgetStatus | None, store_down: bool, tenant: Tenant | None = None,
               headers: Mapping[str, str] = _NO_HEADERS, cls: PriorityClass | None = None,
               ticket: Ticket | None = None) -> Plan:

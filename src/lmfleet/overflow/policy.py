@@ -66,6 +66,10 @@ class OverflowMode(str, enum.Enum):
 
 
 class Reason(str, enum.Enum):
+    """Why a request went where it went (``x-lmfleet-route-reason``, the ``route_reason`` ledger column), or why
+    it was refused: the overflow decision's reasons, the gateway's, and tenant admission's
+    (:func:`lmfleet.tenants.admit`)."""
+
     LOCAL_OK = "local_ok"
     FORCED_LOCAL = "forced_local"
     OVERFLOW_DISABLED = "overflow_disabled"
@@ -79,6 +83,15 @@ class Reason(str, enum.Enum):
     LOCAL_UNAVAILABLE = "local_unavailable"
     FALLBACK_AFTER_LOCAL_ERROR = "fallback_after_local_error"
     FALLBACK_AFTER_PROVIDER_ERROR = "fallback_after_provider_error"
+    # tenant admission (lmfleet.tenants.admission): a class's local deadline, a tenant's limits
+    WITHIN_DEADLINE = "within_deadline"
+    NO_PROVIDER = "no_provider"
+    OVER_THRESHOLD = "over_threshold"
+    OVER_DEADLINE = "over_deadline"
+    CONCURRENCY_LIMIT = "concurrency_limit"
+    REQUESTS_PER_MINUTE = "requests_per_minute"
+    TOKENS_PER_MINUTE = "tokens_per_minute"
+    DEADLINE = "deadline"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lmfleet.config.tenants import PriorityClass, TenantLimits
+from lmfleet.overflow.policy import Reason
 from lmfleet.tenants.directory import Tenant
 from lmfleet.tenants.window import RateWindow, format_duration
 
@@ -107,18 +108,6 @@ class Outcome(str, enum.Enum):
     LOCAL_WAIT = "local_wait"
     PROVIDER = "provider"
     REJECT = "reject"
-
-
-class Reason(str, enum.Enum):
-    LOCAL_OK = "local_ok"
-    WITHIN_DEADLINE = "within_deadline"
-    NO_PROVIDER = "no_provider"
-    OVER_THRESHOLD = "over_threshold"
-    OVER_DEADLINE = "over_deadline"
-    CONCURRENCY_LIMIT = "concurrency_limit"
-    REQUESTS_PER_MINUTE = "requests_per_minute"
-    TOKENS_PER_MINUTE = "tokens_per_minute"
-    DEADLINE = "deadline"
 
 
 @dataclass(frozen=True)
