@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from lmfleet.gateway.dashboard import HISTORY, Counters, DashboardHistory, build_dashboard, read_gateway
-from lmfleet.gateway.recent_errors import recent_errors
+from lmfleet.gateway.admin.dashboard import HISTORY, Counters, DashboardHistory, build_dashboard, read_gateway
+from lmfleet.gateway.admin.recent_errors import recent_errors
 from tests.unit.gateway_fakes import chat_json, make_gateway
 
 

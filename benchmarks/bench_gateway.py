@@ -215,11 +215,11 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
             # open the phase's connections before it starts: see --cold-connections
             await asyncio.gather(*(one_stream(client, url, model, prompt, 1, headers) for _ in range(concurrency)))
             await asyncio.sleep(1.5)  # let the engine's worker settle as before a cold phase (vLLM spins 1 s)
-        # the client's own event loop, watched as the gateway watches its own (lmfleet.gateway.loopwatch): how late
+        # the client's own event loop, watched as the gateway watches its own (lmfleet.gateway.observe.loopwatch): how late
         # a 10 ms timer wakes, and the loop thread's stack when it has not run for 150 ms
         import logging
 
-        from lmfleet.gateway.loopwatch import LoopWatch
+        from lmfleet.gateway.observe.loopwatch import LoopWatch
 
         lags: list[tuple[float, float]] = []
         stalls: list[str] = []
@@ -228,7 +228,7 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
             def emit(self, record: logging.LogRecord) -> None:
                 stalls.append(f"{time.perf_counter() - t0:.3f}: {record.getMessage()}"[:3000])
 
-        watch_log = logging.getLogger("lmfleet.gateway.loopwatch")
+        watch_log = logging.getLogger("lmfleet.gateway.observe.loopwatch")
         keep = Keep()
         watch_log.addHandler(keep)
         watch_log.propagate = False

@@ -94,7 +94,7 @@ def serve_gateway(config: str, fake_url: str, loop: str, http: str, profile_out:
 
     from lmfleet.config import load_config
 
-    from lmfleet.gateway.server import uvicorn_options
+    from lmfleet.gateway.front.server import uvicorn_options
 
     fleet = load_config(config)
     app = make_gateway_app(fleet, fake_url)
@@ -498,7 +498,7 @@ def main() -> None:
     ap.add_argument("--itl-ms", type=float, default=0.0, help="the fake engine's inter-token latency")
     ap.add_argument("--variants", default="uvloop:lmfleet",
                     help="uvicorn loop:http pairs, one gateway process each; http \"lmfleet\" is what lmfleet serve runs "
-                         "(httptools behind gateway/server.py guarded_protocol)")
+                         "(httptools behind gateway/front/server.py guarded_protocol)")
     ap.add_argument("--paths", default="provider,local", help="gateway paths to measure (direct always runs)")
     ap.add_argument("--fleet-tokens-s", type=float, default=50_000.0, help="fleet output rate to size gateways for")
     ap.add_argument("--profile", type=Path, help="cProfile the first variant's gateway into this file")

@@ -9,8 +9,8 @@ import sqlite3
 import pytest
 
 from lmfleet.config.models import ProviderPrice
-from lmfleet.gateway.budget import BudgetGuard
-from lmfleet.gateway.metrics import GatewayMetrics
+from lmfleet.gateway.routing.budget import BudgetGuard
+from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.overflow.store import GLOBAL, Cap, Reservation, SqliteSpendStore, UsageRecord
 
 pytestmark = pytest.mark.timeout(60)

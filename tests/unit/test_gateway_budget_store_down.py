@@ -19,8 +19,8 @@ import pytest
 
 from lmfleet.config import parse_config
 from lmfleet.config.models import ProviderPrice
-from lmfleet.gateway.budget import BudgetGuard
-from lmfleet.gateway.metrics import GatewayMetrics
+from lmfleet.gateway.routing.budget import BudgetGuard
+from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.overflow.store import GLOBAL, Cap, Refusal, Reservation, StoreUnavailable
 from tests.unit.gateway_fakes import chat_json, make_gateway
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lmfleet.gateway.dashboard import (
+from lmfleet.gateway.admin.dashboard import (
     Counters,
     DashboardHistory,
     ModelReading,
@@ -28,9 +28,9 @@ from lmfleet.gateway.dashboard import (
     histogram_quantile,
     read_counters,
 )
-from lmfleet.gateway.dashboard import BudgetReading
-from lmfleet.gateway.metrics import GatewayMetrics
-from lmfleet.gateway.recent_errors import ErrorEntry, RecentErrors
+from lmfleet.gateway.admin.dashboard import BudgetReading
+from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.gateway.admin.recent_errors import ErrorEntry, RecentErrors
 from lmfleet.overflow import BudgetStatus
 from tests.unit.chromium import Browser, find_chromium
 from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response

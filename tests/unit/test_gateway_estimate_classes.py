@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from lmfleet.gateway.router import class_wait_ms
+from lmfleet.gateway.routing.router import class_wait_ms
 from lmfleet.overflow.estimator import estimate_wait_ms
 from lmfleet.overflow.signals import QueueSignals
 from tests.unit.gateway_fakes import make_gateway

@@ -1,4 +1,4 @@
-"""The gateway's event-loop watchdog (lmfleet.gateway.loopwatch): the pure stall decision, and a real loop blocked
+"""The gateway's event-loop watchdog (lmfleet.gateway.observe.loopwatch): the pure stall decision, and a real loop blocked
 by a synchronous sleep."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lmfleet.gateway.loopwatch import LoopWatch, StallStep, stall_step
+from lmfleet.gateway.observe.loopwatch import LoopWatch, StallStep, stall_step
 
 S = 0.5  # stall threshold, seconds
 

@@ -6,11 +6,11 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from lmfleet.gateway import sse
-from lmfleet.gateway.errors import GatewayError
-from lmfleet.gateway.health import HealthBoard, model_health
-from lmfleet.gateway.upstream import clean_message
-from lmfleet.gateway.validation import check_context, validate_request
+from lmfleet.gateway.relay import sse
+from lmfleet.gateway.front.errors import GatewayError
+from lmfleet.gateway.routing.health import HealthBoard, model_health
+from lmfleet.gateway.relay.upstream import clean_message
+from lmfleet.gateway.front.validation import check_context, validate_request
 
 
 @pytest.mark.parametrize("chunks,events", [
@@ -125,7 +125,7 @@ def _details(status, deployments):
     (_details("UNHEALTHY", {"LLMServer:m": ("UNHEALTHY", ["RUNNING"], "node died")}), True, 1, "node died"),
 ])
 def test_status_overview_maps_details_like_serve_status(details, ready, running, words):
-    from lmfleet.gateway.health import status_overview
+    from lmfleet.gateway.routing.health import status_overview
 
     h = model_health(status_overview(details).get("lmfleet-m"))
     assert (h.ready, h.running_replicas) == (ready, running) and words in h.message
@@ -235,8 +235,8 @@ def test_feed_block_bounds_the_unfinished_event():
 ])
 def test_parse_json_refuses_the_same_bodies_with_the_quick_scan(raw, refused):
     """The scan that skips the tree walk never lets through a body the walk would refuse."""
-    from lmfleet.gateway.errors import GatewayError
-    from lmfleet.gateway.validation import _may_need_tree_check, parse_json
+    from lmfleet.gateway.front.errors import GatewayError
+    from lmfleet.gateway.front.validation import _may_need_tree_check, parse_json
 
     try:
         parse_json(raw)
@@ -267,7 +267,7 @@ def test_taking_usage_from_a_block_matches_the_event_by_event_path(block, wants_
     """The relay's quick usage path (only the usage event is parsed) sends what the slow path sends."""
     from types import SimpleNamespace
 
-    from lmfleet.gateway.run import RequestRun
+    from lmfleet.gateway.relay.run import RequestRun
 
     me = SimpleNamespace(req=SimpleNamespace(wants_usage=wants_usage, model="m"))
     quick, quick_usage = RequestRun._take_usage(me, block, None)
@@ -288,7 +288,7 @@ def test_taking_usage_from_a_block_matches_the_event_by_event_path(block, wants_
     (b'data: {"choices":[{"text":"a"}]}', False),                              # not a whole event
 ])
 def test_first_answer_in_a_block(block, answered):
-    from lmfleet.gateway.sse import first_answer_in, has_choices, split_events
+    from lmfleet.gateway.relay.sse import first_answer_in, has_choices, split_events
 
     assert first_answer_in(block) is answered
     # agrees with looking at every event

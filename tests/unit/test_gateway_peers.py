@@ -1,4 +1,4 @@
-"""Gateways that know about each other (lmfleet.gateway.peers): the pure sum of the other gateways' loads, the
+"""Gateways that know about each other (lmfleet.gateway.routing.peers): the pure sum of the other gateways' loads, the
 LoadTracker that adds it to its own, the registry's bookkeeping, a PeerBoard against a fake registry call, and
 the rows `lmfleet cluster status` prints."""
 
@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from lmfleet.gateway import peers
-from lmfleet.gateway.peers import GatewayRegistry, PeerBoard, PeerLoad, gateway_rows, peer_loads
+from lmfleet.gateway.routing import peers
+from lmfleet.gateway.routing.peers import GatewayRegistry, PeerBoard, PeerLoad, gateway_rows, peer_loads
 from lmfleet.overflow.estimator import estimate_wait_ms
 from lmfleet.overflow.signals import LoadTracker
 
@@ -334,7 +334,7 @@ def test_peer_board_shares_the_overflowing_flag():
 
 
 def test_served_model_forgets_a_stale_peer_flag():
-    from lmfleet.gateway.router import ServedModel
+    from lmfleet.gateway.routing.router import ServedModel
 
     m = ServedModel.__new__(ServedModel)
     m._peers_overflowing = (0.0, False)
@@ -386,7 +386,7 @@ def test_peer_loads_sum_queue_slots():
     ([{"id": "b", "last_seen": 95.0}], False),                          # exactly FRESH_S old still counts
 ])
 def test_has_fresh_peer(entries, alone):
-    from lmfleet.gateway.peers import has_fresh_peer
+    from lmfleet.gateway.routing.peers import has_fresh_peer
 
     assert has_fresh_peer(entries, "me", now=100.0) is (not alone)
 
@@ -395,7 +395,7 @@ def test_has_fresh_peer(entries, alone):
     (0.25, False, 0.25), (0.25, True, 2.0), (5.0, True, 5.0), (5.0, False, 5.0), (2.0, True, 2.0),
 ])
 def test_next_report_s(period, alone, expected):
-    from lmfleet.gateway.peers import next_report_s
+    from lmfleet.gateway.routing.peers import next_report_s
 
     assert next_report_s(period, alone) == expected
 

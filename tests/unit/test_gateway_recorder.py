@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from lmfleet.gateway.metrics import GatewayMetrics
-from lmfleet.gateway.run import Recorder
+from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.gateway.relay.run import Recorder
 from lmfleet.overflow.store import StoreUnavailable
 
 

@@ -405,7 +405,7 @@ async def _serve(app):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     from lmfleet.config.models import GatewayConfig
-    from lmfleet.gateway.server import uvicorn_options
+    from lmfleet.gateway.front.server import uvicorn_options
 
     # the server options lmfleet serve uses (head deadline, keep-alive, connection cap)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",

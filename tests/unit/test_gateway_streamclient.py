@@ -1,4 +1,4 @@
-"""The relay's lean HTTP/1.1 stream client (gateway/streamclient.py) against scripted raw-socket servers:
+"""The relay's lean HTTP/1.1 stream client (gateway/relay/streamclient.py) against scripted raw-socket servers:
 framing (chunked, length, connection close), keep-alive reuse, a stale pooled connection, breaks, the
 connection limit, back-pressure and bad bytes."""
 
@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 import yarl
 
-from lmfleet.gateway import streamclient
-from lmfleet.gateway.streamclient import StreamPool, StreamProtocolError
+from lmfleet.gateway.relay import streamclient
+from lmfleet.gateway.relay.streamclient import StreamPool, StreamProtocolError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from lmfleet.config import parse_config
-from lmfleet.gateway.access import GatewayConfigError
+from lmfleet.gateway.front.access import GatewayConfigError
 from lmfleet.gateway.build import check_gateway_access
 from tests.unit.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, stream_response
 

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from lmfleet.gateway import build as build_mod
-from lmfleet.gateway.tracing import RequestTracer, traces_url
+from lmfleet.gateway.observe.tracing import RequestTracer, traces_url
 from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}

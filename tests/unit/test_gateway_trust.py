@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from lmfleet.config import parse_config
-from lmfleet.gateway.access import GatewayConfigError, allowed_hosts, check_exposure, host_allowed
+from lmfleet.gateway.front.access import GatewayConfigError, allowed_hosts, check_exposure, host_allowed
 from lmfleet.gateway.build import check_gateway_access, load_api_keys
 from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
 
@@ -311,7 +311,7 @@ async def test_completions_cap_prompts_times_n(tmp_path, prompt, n, ok):
     ([(0, "a"), (5, "b"), (11, "c"), (12, "d")], False),
 ])
 def test_health_needs_failures_from_several_requests(events, ready):
-    from lmfleet.gateway.health import HealthBoard
+    from lmfleet.gateway.routing.health import HealthBoard
 
     board = HealthBoard({"m": "app"}, None)
     requests: dict[str, object] = {}
@@ -356,9 +356,9 @@ async def test_hostile_retry_after_gives_a_clean_429(tmp_path, value):
 # ---- 14. only the half-open probe closes a provider's breaker --------------------------------------------
 def _provider(clock):
     from lmfleet.config.models import ProviderConfig
-    from lmfleet.gateway.backends import ProviderBackend
-    from lmfleet.gateway.errors import UpstreamServerError
-    from lmfleet.gateway.upstream import HttpPool
+    from lmfleet.gateway.routing.backends import ProviderBackend
+    from lmfleet.gateway.front.errors import UpstreamServerError
+    from lmfleet.gateway.relay.upstream import HttpPool
     from lmfleet.overflow import CircuitBreaker
 
     cfg = ProviderConfig(name="p", base_url="http://127.0.0.1:1/v1", model_map={"m": "x"},
@@ -368,7 +368,7 @@ def _provider(clock):
 
 
 async def test_a_long_stream_from_before_opening_does_not_close_the_breaker():
-    from lmfleet.gateway.backends import Ask
+    from lmfleet.gateway.routing.backends import Ask
     from lmfleet.overflow import BreakerState
 
     t = [0.0]
@@ -393,7 +393,7 @@ async def test_a_long_stream_from_before_opening_does_not_close_the_breaker():
 def test_clean_message_is_bounded_on_whitespace_runs():
     import time
 
-    from lmfleet.gateway.upstream import MAX_MESSAGE_CHARS, clean_message
+    from lmfleet.gateway.relay.upstream import MAX_MESSAGE_CHARS, clean_message
 
     raw = "Message: a" + " " * 200_000 + "b (Request ID: 1)"
     t0 = time.perf_counter()
@@ -460,7 +460,7 @@ async def _uvicorn(**gateway):
     import uvicorn
 
     from lmfleet.config.models import GatewayConfig
-    from lmfleet.gateway.server import uvicorn_options
+    from lmfleet.gateway.front.server import uvicorn_options
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

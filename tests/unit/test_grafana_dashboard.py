@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import Counter, Gauge, Histogram
 
-from lmfleet.gateway.metrics import GatewayMetrics
+from lmfleet.gateway.observe.metrics import GatewayMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "lmfleet.json"
 _SERIES = re.compile(r"\b((?:lmfleet|ray_vllm)_[A-Za-z0-9_]+)\b")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lmfleet.gateway.pollers import EngineStatsPoller
+from lmfleet.gateway.routing.pollers import EngineStatsPoller
 from lmfleet.overflow.engine_stats import EngineQueue, merge, parse_engine_queues
 from lmfleet.overflow.signals import LoadTracker
 

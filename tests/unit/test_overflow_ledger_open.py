@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from lmfleet.config.models import FleetConfig, LedgerConfig
-from lmfleet.gateway.access import GatewayConfigError
+from lmfleet.gateway.front.access import GatewayConfigError
 from lmfleet.gateway.build import check_ledger, preflight
 from lmfleet.overflow.ledger import Ledger, PostgresLedger, open_ledger
 from lmfleet.overflow.store import SpendStoreError, SqliteSpendStore, StoreUnavailable, UsageRecord

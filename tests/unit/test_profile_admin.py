@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from lmfleet.profile.admin import profile_routes
+from lmfleet.gateway.admin.profile import profile_routes
 from lmfleet.profile.traces import NodeFiles, _reader, llm_deployments, safe_part
 from tests.unit.gateway_fakes import make_gateway, sse_events, stream_response
 

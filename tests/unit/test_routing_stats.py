@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from lmfleet.gateway.pollers import EngineStatsPoller
+from lmfleet.gateway.routing.pollers import EngineStatsPoller
 from lmfleet.overflow.engine_stats import (ReplicaStats, imbalance, merge_replicas, parse_replica_pages,
                                           parse_replica_stats, since)
 from tests.unit.gateway_fakes import make_gateway

@@ -189,8 +189,8 @@ def status(
 
 
 def _gateways() -> list | None:
-    """Every gateway of the cluster's fleets, from their registry (lmfleet.gateway.peers); None if unknown."""
-    from lmfleet.gateway.peers import gateway_rows, list_gateways
+    """Every gateway of the cluster's fleets, from their registry (lmfleet.gateway.routing.peers); None if unknown."""
+    from lmfleet.gateway.routing.peers import gateway_rows, list_gateways
 
     try:
         answer = list_gateways()

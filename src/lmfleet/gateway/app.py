@@ -5,7 +5,7 @@ A request, top-down::
     route handler  ->  validate (400/404)  ->  router.route (ordered backends)  ->  RequestRun (tries them,
     relays, records the outcome)  ->  backend (HTTP to Serve or a provider)
 
-Operator routes (/health, /ready, /metrics, /admin/*) live in :mod:`lmfleet.gateway.ops`.
+Operator routes (/health, /ready, /metrics, /admin/*) live in :mod:`lmfleet.gateway.admin.ops`.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmfleet.config.models import GatewayConfig
 from lmfleet.config.tenants import PriorityClass, default_priority_classes
-from lmfleet.gateway.access import bearer, host_allowed, key_ok, operator_may_see, read_json
-from lmfleet.gateway.errors import GatewayError, error_body
-from lmfleet.gateway.ops import ops_routes
-from lmfleet.gateway.run import DisconnectWatch, RelayResponse, RequestRun
+from lmfleet.gateway.front.access import bearer, host_allowed, key_ok, operator_may_see, read_json
+from lmfleet.gateway.front.errors import GatewayError, error_body
+from lmfleet.gateway.admin.ops import ops_routes
+from lmfleet.gateway.relay.run import DisconnectWatch, RelayResponse, RequestRun
 from lmfleet.gateway.service import Gateway
-from lmfleet.gateway.tracing import RequestTracer
-from lmfleet.gateway.validation import Kind, check_content_parts, check_prompt_count, check_size, validate_request
+from lmfleet.gateway.observe.tracing import RequestTracer
+from lmfleet.gateway.front.validation import Kind, check_content_parts, check_prompt_count, check_size, validate_request
 from lmfleet.overflow.ledger.sqlite import Ledger
 from lmfleet.overflow.store import SqliteSpendStore, StoreUnavailable
 from lmfleet.tenants import (

@@ -21,20 +21,20 @@ from fastapi import FastAPI
 from lmfleet.config.models import FleetConfig, GatewayConfig
 from lmfleet.config.tenants import PriorityClass, TenantConfig, default_priority_classes
 from lmfleet.engine.app import ModelApp
-from lmfleet.gateway.access import GatewayConfigError, allowed_hosts, check_exposure, load_keys_from
+from lmfleet.gateway.front.access import GatewayConfigError, allowed_hosts, check_exposure, load_keys_from
 from lmfleet.gateway.app import create_app
-from lmfleet.gateway.backends import LocalBackend, ProviderBackend
-from lmfleet.gateway.health import HealthBoard
-from lmfleet.gateway.metrics import GatewayMetrics
-from lmfleet.gateway.pollers import EngineStatsPoller
-from lmfleet.gateway.router import Router, ServedModel
-from lmfleet.gateway.budget import BudgetGuard
-from lmfleet.gateway.run import Recorder
+from lmfleet.gateway.routing.backends import LocalBackend, ProviderBackend
+from lmfleet.gateway.routing.health import HealthBoard
+from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.gateway.routing.pollers import EngineStatsPoller
+from lmfleet.gateway.routing.router import Router, ServedModel
+from lmfleet.gateway.routing.budget import BudgetGuard
+from lmfleet.gateway.relay.run import Recorder
 from lmfleet.gateway.service import Gateway
-from lmfleet.gateway.loopwatch import LoopWatch
-from lmfleet.gateway.tokens import load_tokenizer_or_none
-from lmfleet.gateway.tracing import request_tracer
-from lmfleet.gateway.upstream import HttpPool
+from lmfleet.gateway.observe.loopwatch import LoopWatch
+from lmfleet.gateway.routing.tokens import load_tokenizer_or_none
+from lmfleet.gateway.observe.tracing import request_tracer
+from lmfleet.gateway.relay.upstream import HttpPool
 from lmfleet.overflow.store import (
     Cap,
     SpendStore,

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from lmfleet.gateway.backends import ProviderBackend
-from lmfleet.gateway.health import HealthBoard
-from lmfleet.gateway.loopwatch import LoopWatch
-from lmfleet.gateway.metrics import GatewayMetrics
-from lmfleet.gateway.peers import PeerBoard
-from lmfleet.gateway.pollers import EngineStatsPoller
-from lmfleet.gateway.router import Router
-from lmfleet.gateway.run import Recorder
-from lmfleet.gateway.tracing import RequestTracer
-from lmfleet.gateway.upstream import HttpPool
+from lmfleet.gateway.routing.backends import ProviderBackend
+from lmfleet.gateway.routing.health import HealthBoard
+from lmfleet.gateway.observe.loopwatch import LoopWatch
+from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.gateway.routing.peers import PeerBoard
+from lmfleet.gateway.routing.pollers import EngineStatsPoller
+from lmfleet.gateway.routing.router import Router
+from lmfleet.gateway.relay.run import Recorder
+from lmfleet.gateway.observe.tracing import RequestTracer
+from lmfleet.gateway.relay.upstream import HttpPool
 from lmfleet.tenants import TenantDirectory
 
 
@@ -34,7 +34,7 @@ class Gateway:
     """None: the admin API is disabled."""
     engine_stats: EngineStatsPoller | None = None
     peers: PeerBoard | None = None
-    """Set by the process that runs the gateway on a Ray cluster (lmfleet.gateway.peers); None in tests."""
+    """Set by the process that runs the gateway on a Ray cluster (lmfleet.gateway.routing.peers); None in tests."""
     tracer: RequestTracer | None = None
     """OpenTelemetry spans per request (``observability.otlp_endpoint``); None: tracing off."""
     loopwatch: LoopWatch | None = None
@@ -47,7 +47,7 @@ class Gateway:
 
     @property
     def api_keys(self) -> TenantDirectory:
-        """The client keys, for :func:`lmfleet.gateway.access.operator_may_see` (the same object as ``tenants``;
+        """The client keys, for :func:`lmfleet.gateway.front.access.operator_may_see` (the same object as ``tenants``;
         no key is held in clear)."""
         return self.tenants
 

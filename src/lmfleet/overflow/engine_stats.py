@@ -4,7 +4,7 @@ Under Ray Serve LLM (``log_engine_metrics``), each engine records vLLM's gauges 
 system; every Ray node's metrics agent serves them at ``http://<node>:<MetricsExportPort>/metrics`` as
 ``ray_vllm_num_requests_running{model_name=...}``. A bare vLLM server serves the same gauges as
 ``vllm:num_requests_running`` on its own ``/metrics``. :func:`parse_engine_queues` reads either, summed
-per model over engines and replicas; the gateway's poller (``lmfleet.gateway.pollers``) scrapes every
+per model over engines and replicas; the gateway's poller (``lmfleet.gateway.routing.pollers``) scrapes every
 alive Ray node and hands the sums to each model's :class:`~lmfleet.overflow.signals.LoadTracker`.
 Pure functions: no I/O here.
 

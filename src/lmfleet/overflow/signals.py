@@ -211,7 +211,7 @@ class LoadTracker:
 
     def set_peer_load(self, in_flight: int, drain_rps: float, now: float | None = None) -> None:
         """The other gateways' requests to this model in flight and their drain rate (summed), as they last
-        reported (:mod:`lmfleet.gateway.peers`): N gateways then estimate the queue every one of them feeds."""
+        reported (:mod:`lmfleet.gateway.routing.peers`): N gateways then estimate the queue every one of them feeds."""
         self._peers = (self._now(now), max(0, in_flight), max(0.0, drain_rps))
 
     # -- reading ---------------------------------------------------------------------------------

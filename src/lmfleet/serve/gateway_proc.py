@@ -3,7 +3,7 @@ on one port, and ``lmfleet gateway`` itself (a gateway for a fleet another proce
 
 Several workers on one node listen on the same address with ``SO_REUSEPORT``: the kernel spreads new connections
 over them, each worker has its own event loop, and they share the ledger file (``ledger.path``) and their queue
-view (:mod:`lmfleet.gateway.peers`); metrics (/metrics), breakers and cost meters are each process's own
+view (:mod:`lmfleet.gateway.routing.peers`); metrics (/metrics), breakers and cost meters are each process's own
 (docs/gateways.md). A worker is the same program as
 ``lmfleet gateway``, started by the first process with ``--workers 1 --reuse-port``; it ends when its parent does
 (``PR_SET_PDEATHSIG``), and the parent stops it on shutdown (SIGTERM, then SIGKILL after the grace period).
@@ -75,7 +75,7 @@ class GatewayServer:
     def __init__(self, app: Any, fleet: FleetConfig, sock: socket.socket) -> None:
         import uvicorn
 
-        from lmfleet.gateway.server import uvicorn_options
+        from lmfleet.gateway.front.server import uvicorn_options
 
         self.sock = sock
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
@@ -113,7 +113,7 @@ def stop_event() -> asyncio.Event:
 
 def attach_peers(app: Any, host: str, port: int, role: str, period_s: float = 0.25) -> None:
     """Report this gateway to the cluster's registry and count the others' load (needs a connected Ray)."""
-    from lmfleet.gateway.peers import PeerBoard
+    from lmfleet.gateway.routing.peers import PeerBoard
 
     gw = app.state.gateway
     gw.peers = PeerBoard({n: m.local.tracker for n, m in gw.models.items()}, host=host, port=port, role=role,
@@ -194,7 +194,7 @@ async def wait_workers_listening(procs: list[subprocess.Popen], timeout_s: float
 
 def registered_pids() -> set[int]:
     """Pids of the gateways on this node that reported to the cluster's registry."""
-    from lmfleet.gateway.peers import list_gateways, node_address
+    from lmfleet.gateway.routing.peers import list_gateways, node_address
 
     answer = list_gateways() or {"gateways": []}
     node = node_address()
@@ -291,7 +291,7 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
     2 (settings that would leave it open), 130 (interrupted while starting)."""
     from lmfleet.cluster.connect import connect
     from lmfleet.engine.app import gateway_model_apps
-    from lmfleet.gateway.access import GatewayConfigError
+    from lmfleet.gateway.front.access import GatewayConfigError
     from lmfleet.gateway.build import check_ledger, preflight
     from lmfleet.overflow.store import StoreUnavailable
 
@@ -350,8 +350,8 @@ async def _gateway_main(fleet: FleetConfig, apps: list[Any], sock: socket.socket
                         wait_timeout_s: float, progress: Callable[[str], None],
                         procs: list[subprocess.Popen]) -> int:
     from lmfleet.gateway import build_gateway
-    from lmfleet.gateway.health import serve_status_fetcher
-    from lmfleet.gateway.pollers import ray_metrics_fetcher
+    from lmfleet.gateway.routing.health import serve_status_fetcher
+    from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
     from lmfleet.serve.apps import DeployError, wait_until_running
 
     stop = stop_event()

@@ -142,8 +142,8 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
                deploy_timeout_s: float, workers: int, config_path: Path | None,
                procs: list[subprocess.Popen]) -> int:
     from lmfleet.gateway import build_gateway
-    from lmfleet.gateway.health import serve_status_fetcher
-    from lmfleet.gateway.pollers import ray_metrics_fetcher
+    from lmfleet.gateway.routing.health import serve_status_fetcher
+    from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
     from lmfleet.serve.gateway_proc import (
         WORKER_START_S, GatewayServer, attach_peers, listen_socket, registered_pids, spawn_workers, stop_event,
         wait_workers_listening)
@@ -231,7 +231,7 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     ``workers`` (default ``gateway.workers``): gateway processes on host:port; the extra ones are started after
     the ready banner (``lmfleet gateway --worker``, re-reading ``config_path``) and stopped before the teardown."""
     from lmfleet.engine.app import build_model_apps
-    from lmfleet.gateway.access import GatewayConfigError
+    from lmfleet.gateway.front.access import GatewayConfigError
     from lmfleet.overflow.store import StoreUnavailable
 
     from lmfleet.serve.gateway_proc import loop_factory, stop_workers

@@ -198,5 +198,5 @@ def admit(tenant: Tenant, cls: PriorityClass, *, usage: TenantUsage, in_flight: 
 
 
 def _error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
-    # the shape of lmfleet.gateway.errors.error_body, kept here so this package imports nothing of the gateway
+    # the shape of lmfleet.gateway.front.errors.error_body, kept here so this package imports nothing of the gateway
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

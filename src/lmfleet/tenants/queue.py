@@ -11,7 +11,7 @@ tenant, then arrival).
 
 One per model and gateway process; the gateway builds them only when tenants are configured. With several
 gateway processes (workers, or gateways on other nodes) each reports how many local slots it holds through the
-gateway registry (:mod:`lmfleet.gateway.peers`) and :meth:`DispatchQueue.set_peer_running` takes the others' out
+gateway registry (:mod:`lmfleet.gateway.routing.peers`) and :meth:`DispatchQueue.set_peer_running` takes the others' out
 of this one's capacity, so together they run about ``capacity`` at once and the rest waits here, in class order,
 instead of in Ray Serve's FIFO queue. Each process keeps at least one slot (reports are up to a period old; a
 process with none would wait on a stale count), and a count older than ``peer_ttl_s`` no longer counts.
@@ -120,7 +120,7 @@ class DispatchQueue:
     @property
     def waiting_by_order(self) -> Mapping[int, int]:
         """How many requests wait now, per class order (a read-only live view; orders with none are absent): what
-        :func:`lmfleet.gateway.router.class_wait_ms` needs to leave the less urgent classes out of an estimate."""
+        :func:`lmfleet.gateway.routing.router.class_wait_ms` needs to leave the less urgent classes out of an estimate."""
         return self._by_order_view
 
     def waiting_behind(self, order: int) -> int:

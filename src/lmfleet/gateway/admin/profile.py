@@ -26,8 +26,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import FileResponse
 
-from lmfleet.gateway.access import read_json
-from lmfleet.gateway.errors import GatewayError
+from lmfleet.gateway.front.access import read_json
+from lmfleet.gateway.front.errors import GatewayError
 from lmfleet.gateway.service import Gateway
 from lmfleet.profile.anatomy import engine_source, engine_sums, gateway_sums, to_json
 from lmfleet.profile.traces import EngineControl, RayEngineControl, safe_part

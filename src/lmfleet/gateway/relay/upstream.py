@@ -2,7 +2,7 @@
 
 Both are OpenAI-compatible endpoints, so one pair of calls (:func:`complete`, :func:`open_stream`) serves
 both; an :class:`Endpoint` says where to send, with which model name, credentials and time limits.
-Failures are classified into the :class:`~lmfleet.gateway.errors.UpstreamError` tree here and nowhere else.
+Failures are classified into the :class:`~lmfleet.gateway.front.errors.UpstreamError` tree here and nowhere else.
 
 The HTTP client is aiohttp: on this data path it costs ~0.3 ms of CPU per 32-token stream where httpx cost
 ~5.9 ms (measured on the 2-core CI machine against tests/support/fast_openai_server.py; see
@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import yarl
 
-from lmfleet.gateway.errors import (
+from lmfleet.gateway.front.errors import (
     UpstreamError,
     UpstreamMisconfigured,
     UpstreamRateLimited,
@@ -31,15 +31,15 @@ from lmfleet.gateway.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from lmfleet.gateway.sse import SSEEventTooLarge, SSESplitter, first_answer_in
-from lmfleet.gateway.streamclient import StreamPool
+from lmfleet.gateway.relay.sse import SSEEventTooLarge, SSESplitter, first_answer_in
+from lmfleet.gateway.relay.streamclient import StreamPool
 from lmfleet.overflow.breaker import parse_retry_after
 
 
 class HttpPool:
     """Keep-alive connection pools to one kind of backend, opened on the gateway's event loop by :meth:`open`
     (the app's lifespan) or at first use: streams over plain http (the local replicas) through the lean
-    :class:`~lmfleet.gateway.streamclient.StreamPool`, everything else (unary calls, https) through aiohttp.
+    :class:`~lmfleet.gateway.relay.streamclient.StreamPool`, everything else (unary calls, https) through aiohttp.
     Each pool holds at most ``max_connections``."""
 
     def __init__(self, *, max_connections: int, connect_timeout_s: float | None = None):

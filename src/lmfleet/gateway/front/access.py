@@ -19,8 +19,8 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 
-from lmfleet.gateway.errors import GatewayError
-from lmfleet.gateway.validation import parse_json
+from lmfleet.gateway.front.errors import GatewayError
+from lmfleet.gateway.front.validation import parse_json
 from lmfleet.tenants import TenantDirectory
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})

@@ -6,7 +6,7 @@
 
 The decision itself is :func:`lmfleet.overflow.decide` (a pure function); this module gathers its inputs
 (load, breakers, budget) and turns its answer into backend objects. It does no HTTP: trying the backends
-is :mod:`lmfleet.gateway.run`'s job. A request's predicted local wait is :func:`class_wait_ms` (pure): with
+is :mod:`lmfleet.gateway.relay.run`'s job. A request's predicted local wait is :func:`class_wait_ms` (pure): with
 priority classes, only the requests ahead of it in the local queue count.
 """
 
@@ -24,12 +24,12 @@ from typing import Any
 from lmfleet.config.models import BudgetConfig
 from lmfleet.config.tenants import PriorityClass
 from lmfleet.engine.app import ModelApp
-from lmfleet.gateway.backends import Backend, LocalBackend, ProviderBackend
-from lmfleet.gateway.budget import BudgetGuard
-from lmfleet.gateway.errors import GatewayError
-from lmfleet.gateway.metrics import GatewayMetrics
-from lmfleet.gateway.tokens import count_prompt_tokens, template_overhead, token_bounds
-from lmfleet.gateway.validation import ParsedRequest, check_context
+from lmfleet.gateway.routing.backends import Backend, LocalBackend, ProviderBackend
+from lmfleet.gateway.routing.budget import BudgetGuard
+from lmfleet.gateway.front.errors import GatewayError
+from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.gateway.routing.tokens import count_prompt_tokens, template_overhead, token_bounds
+from lmfleet.gateway.front.validation import ParsedRequest, check_context
 from lmfleet.overflow import (
     BudgetStatus,
     HysteresisState,
@@ -74,7 +74,7 @@ class ServedModel:
     """A peer's overflowing flag older than this (the registry stopped answering) no longer counts."""
 
     def set_peers_overflowing(self, flag: bool, now: float) -> None:
-        """Another gateway of the fleet reports this model overflowing (:class:`lmfleet.gateway.peers.PeerBoard`;
+        """Another gateway of the fleet reports this model overflowing (:class:`lmfleet.gateway.routing.peers.PeerBoard`;
         ``now`` on the monotonic clock)."""
         self._peers_overflowing = (now, flag)
 

@@ -11,9 +11,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
 from lmfleet.config.models import GatewayConfig
-from lmfleet.gateway.access import operator_may_see, read_json
-from lmfleet.gateway.dashboard import dashboard_routes
-from lmfleet.gateway.errors import GatewayError
+from lmfleet.gateway.front.access import operator_may_see, read_json
+from lmfleet.gateway.admin.dashboard import dashboard_routes
+from lmfleet.gateway.front.errors import GatewayError
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import OverflowMode
 from lmfleet.overflow.engine_stats import ReplicaStats, imbalance
@@ -157,7 +157,7 @@ def ops_routes(gw: Gateway, cfg: GatewayConfig | None = None) -> APIRouter:
                 "total": total.as_dict()}
 
     r.include_router(dashboard_routes(gw))  # /dashboard (the page) and /admin/dashboard.json (its data)
-    from lmfleet.profile.admin import profile_routes  # here: lmfleet.profile.admin imports the gateway's parts
+    from lmfleet.gateway.admin.profile import profile_routes  # here: lmfleet.gateway.admin.profile imports the gateway's parts
 
     r.include_router(profile_routes(gw, max_body_bytes=cfg.max_body_bytes))  # /admin/profile/* (lmfleet profile)
     return r

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmfleet.config.models import ProviderPrice
-from lmfleet.gateway.metrics import GatewayMetrics
+from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.overflow.store import Cap, Reservation, SpendStore, StoreUnavailable, worst_case_cost_nusd
 
 log = logging.getLogger("lmfleet.gateway")

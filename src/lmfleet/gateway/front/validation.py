@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lmfleet.gateway.errors import GatewayError, bad_request
+from lmfleet.gateway.front.errors import GatewayError, bad_request
 
 Kind = Literal["chat", "completion"]
 ROLES = {"system", "user", "assistant", "tool", "developer", "function"}

@@ -45,8 +45,8 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
 
-from lmfleet.gateway.metrics import GatewayMetrics
-from lmfleet.gateway.recent_errors import ErrorEntry, recent_errors
+from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.gateway.admin.recent_errors import ErrorEntry, recent_errors
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import BudgetStatus
 from lmfleet.provenance import is_external

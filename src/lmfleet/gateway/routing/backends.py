@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lmfleet.config.models import ModelConfig, ProviderConfig
-from lmfleet.gateway.budget import BudgetGuard
-from lmfleet.gateway.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
-from lmfleet.gateway.health import HealthBoard
-from lmfleet.gateway.upstream import Endpoint, HttpPool
+from lmfleet.gateway.routing.budget import BudgetGuard
+from lmfleet.gateway.front.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
+from lmfleet.gateway.routing.health import HealthBoard
+from lmfleet.gateway.relay.upstream import Endpoint, HttpPool
 from lmfleet.overflow.store import Cap, Reservation
 from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, Reason, backoff_s, external_cost_usd
 from lmfleet.overflow.breaker import Admission

@@ -1,6 +1,6 @@
 """Background I/O that feeds the gateway's decisions: vLLM's queue counts from every Ray node's metrics page.
 
-(Deployment health is polled by :class:`lmfleet.gateway.health.HealthBoard`.)
+(Deployment health is polled by :class:`lmfleet.gateway.routing.health.HealthBoard`.)
 """
 
 from __future__ import annotations

@@ -25,17 +25,17 @@ from typing import Any, TypeVar
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from lmfleet.gateway import sse
-from lmfleet.gateway.backends import Ask, Backend
-from lmfleet.gateway.errors import GatewayError, UpstreamError, UpstreamMisconfigured, UpstreamRateLimited
-from lmfleet.gateway.metrics import GatewayMetrics
-from lmfleet.gateway.router import Plan, PromptSize, ServedModel
-from lmfleet.gateway.upstream import STREAM_ERRORS, Endpoint, OpenStream, complete, open_stream
-from lmfleet.gateway.validation import ParsedRequest
+from lmfleet.gateway.relay import sse
+from lmfleet.gateway.routing.backends import Ask, Backend
+from lmfleet.gateway.front.errors import GatewayError, UpstreamError, UpstreamMisconfigured, UpstreamRateLimited
+from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.gateway.routing.router import Plan, PromptSize, ServedModel
+from lmfleet.gateway.relay.upstream import STREAM_ERRORS, Endpoint, OpenStream, complete, open_stream
+from lmfleet.gateway.front.validation import ParsedRequest
 from lmfleet.overflow import Ledger, Reason
 from lmfleet.overflow.money import usd_to_nusd
 from lmfleet.overflow.store import SpendStore, StoreUnavailable, UsageRecord
-from lmfleet.gateway.tracing import RequestTracer
+from lmfleet.gateway.observe.tracing import RequestTracer
 from lmfleet.tenants.queue import QueueFull
 
 log = logging.getLogger("lmfleet.gateway")
