@@ -10,6 +10,7 @@ from lmfleet.gateway.relay import sse
 from lmfleet.gateway.front.errors import GatewayError
 from lmfleet.gateway.routing.health import HealthBoard, model_health
 from lmfleet.gateway.relay.upstream import clean_message
+from lmfleet.gateway.relay.rewrite import rewrite, take_usage
 from lmfleet.gateway.front.validation import check_context, validate_request
 
 
@@ -265,13 +266,8 @@ _NULL_USAGE = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"n"}}],
 @pytest.mark.parametrize("wants_usage", [False, True])
 def test_taking_usage_from_a_block_matches_the_event_by_event_path(block, wants_usage):
     """The relay's quick usage path (only the usage event is parsed) sends what the slow path sends."""
-    from types import SimpleNamespace
-
-    from lmfleet.gateway.relay.run import RequestRun
-
-    me = SimpleNamespace(req=SimpleNamespace(wants_usage=wants_usage, model="m"))
-    quick, quick_usage = RequestRun._take_usage(me, block, None)
-    slow, chunks, slow_usage, done, failed = RequestRun._rewrite(me, sse.split_events(block), None, False, False)
+    quick, quick_usage = take_usage(block, None, wants_usage)
+    slow, chunks, slow_usage, done, failed = rewrite(sse.split_events(block), None, False, None, wants_usage)
     assert (quick, quick_usage) == (slow, slow_usage) and quick_usage == (3, 2)
     assert sse.count_choices(quick) == chunks and not failed
 

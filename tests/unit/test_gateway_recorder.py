@@ -10,7 +10,7 @@ import time
 import pytest
 
 from lmfleet.gateway.observe.metrics import GatewayMetrics
-from lmfleet.gateway.relay.run import Recorder
+from lmfleet.gateway.observe.recorder import Recorder
 from lmfleet.overflow.store import StoreUnavailable
 
 

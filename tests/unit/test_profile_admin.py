@@ -10,7 +10,6 @@ import time
 import httpx
 import pytest
 
-from lmfleet.gateway.admin.profile import profile_routes
 from lmfleet.profile.traces import NodeFiles, _reader, llm_deployments, safe_part
 from tests.unit.gateway_fakes import make_gateway, sse_events, stream_response
 
@@ -62,10 +61,10 @@ async def gateway(tmp_path, request):
     control = FakeControl([NodeFiles("10.0.0.1", [("m", "rank0.1.pt.trace.json.gz", b"\x1f\x8bdata")],
                                      ["m/big: over the limit"]),
                            NodeFiles("10.0.0.2", [("m", "../evil name", b"x")], [])])
-    # the app's own /admin/profile routes use Ray; these, with the fake, take their place
-    app.router.routes[:] = [r for r in app.router.routes if not getattr(r, "path", "").startswith("/admin/profile")]
+    # the app's profiler reaches the engines through Ray; the fake takes its place
     store = tmp_path / "store"
-    app.include_router(profile_routes(app.state.gateway, control=control, fetch_pages=lambda: [PAGE], store=store))
+    profiler = app.state.profiler
+    profiler.control, profiler.fetch_pages, profiler.store = control, lambda: [PAGE], store
     app.state.gateway.start()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
     yield client, control, store

@@ -61,7 +61,7 @@ def profile(
 
     Exit 1 when the gateway refuses or cannot be reached; 2 on bad options or a fleet file that does not load."""
     from lmfleet.engine.app import profiler_trace_dir
-    from lmfleet.gateway.admin.profile import not_configured_message
+    from lmfleet.profile.traces import not_configured_message
     from lmfleet.profile.anatomy import render_table
     from lmfleet.profile.client import LoadSpec, ProfileClient, ProfileError, run_profile
 

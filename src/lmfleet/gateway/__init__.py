@@ -1,16 +1,53 @@
 """The OpenAI-compatible gateway: one front door for every model, local engines and external providers.
 
+The folders follow a request: the front door reads and admits it, routing decides where it may go, the relay
+runs it against a backend and streams the answer back, observe records it; admin is the operator's side.
+The request path, stage by stage, is :mod:`lmfleet.gateway.front.pipeline`.
+
 Where things are::
 
-    build.py     build_gateway(): assembles everything below (lmfleet serve and the tests use it)
-    app.py       OpenAI routes, auth, errors -> HTTP
-    ops.py       /health, /ready, /metrics, /admin/*
-    router.py    the routing decision: an ordered list of backends per request
-    run.py       one request's run: tries the backends, relays the stream, records metrics and the ledger
-    backends.py  LocalBackend (a Ray Serve deployment), ProviderBackend (an external provider)
-    upstream.py  the HTTP calls and the classification of upstream failures
-    errors.py    the exception tree
-    validation.py, tokens.py, sse.py, health.py, pollers.py, metrics.py: the parts they use
+    build.py               build_gateway(): assembles everything below (lmfleet serve and the tests use it)
+    service.py             Gateway: the assembled parts and their lifecycle (start, close)
+    app.py                 create_app(): the FastAPI app that wires the routes below
+
+    front/                 the front door: a request until it is routed
+      pipeline.py          the OpenAI routes as named stages: authenticate, read, validate, admit, size, route, run
+      tenancy.py           the tenant stage: model and class checks, the local queue slot, the release
+      access.py            keys, trusted Host names, exposure checks, reading the body (415/413/408)
+      validation.py        checks on OpenAI request bodies (pure)
+      errors.py            the exception tree; error_response(): the one place errors become HTTP
+      server.py            uvicorn settings: keep-alive, connection cap, request-head deadline
+
+    routing/               where a request may go
+      router.py            the routing decision: an ordered list of backends per request (+ tenant limits)
+      backends.py          LocalBackend (a Ray Serve deployment), ProviderBackend (an external provider)
+      budget.py            exact spend caps: reservations before a paid request is sent
+      health.py            readiness of each model's local deployment (Serve's status, polled)
+      tokens.py            prompt token counts with the model's own tokenizer
+      pollers.py           vLLM's queue counts from every Ray node's metrics page
+      peers.py             gateways that know about each other (shared estimates, queue shares)
+
+    relay/                 running a request against its backends
+      run.py               RequestRun: the attempt loop (retries, fallbacks) and the stream relay
+      response.py          RelayResponse: a streamed answer as plain ASGI sends
+      disconnect.py        DisconnectWatch: a client that leaves cancels its request
+      rewrite.py           the relay's slow path over SSE bytes: usage, model name, error events (pure)
+      upstream.py          the HTTP calls and the classification of upstream failures
+      streamclient.py      the lean HTTP/1.1 client for streams over plain HTTP
+      sse.py               server-sent events: split, read usage (pure)
+
+    observe/               what the gateway records
+      recorder.py          metrics and the cost ledger of every finished request (the ledger writer)
+      metrics.py           the Prometheus metrics
+      tracing.py           OpenTelemetry spans per request
+      loopwatch.py         the event-loop watchdog
+
+    admin/                 the operator's side
+      routes.py            every /admin/* route
+      ops.py               /health, /ready, /metrics, /dashboard
+      dashboard.py         the dashboard's data (readings, series, rates)
+      profile.py           Profiler: vLLM's profiler on every replica, trace files, request anatomy sums
+      recent_errors.py     the last warnings and errors, for the dashboard
 """
 
 from lmfleet.gateway.build import build_gateway, load_api_keys

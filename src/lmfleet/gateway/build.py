@@ -29,7 +29,7 @@ from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.routing.pollers import EngineStatsPoller
 from lmfleet.gateway.routing.router import Router, ServedModel
 from lmfleet.gateway.routing.budget import BudgetGuard
-from lmfleet.gateway.relay.run import Recorder
+from lmfleet.gateway.observe.recorder import Recorder
 from lmfleet.gateway.service import Gateway
 from lmfleet.gateway.observe.loopwatch import LoopWatch
 from lmfleet.gateway.routing.tokens import load_tokenizer_or_none

@@ -12,7 +12,7 @@ from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.routing.peers import PeerBoard
 from lmfleet.gateway.routing.pollers import EngineStatsPoller
 from lmfleet.gateway.routing.router import Router
-from lmfleet.gateway.relay.run import Recorder
+from lmfleet.gateway.observe.recorder import Recorder
 from lmfleet.gateway.observe.tracing import RequestTracer
 from lmfleet.gateway.relay.upstream import HttpPool
 from lmfleet.tenants import TenantDirectory

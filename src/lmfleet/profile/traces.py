@@ -22,7 +22,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
+
+from lmfleet.models.registry import cache_dir
 
 __all__ = ["EngineControl", "NodeFiles", "RayEngineControl", "llm_deployments", "safe_part"]
 
@@ -33,6 +36,18 @@ CLOCK_SLACK_S = 5.0
 """Files modified up to this long before the window (by the node's own clock) still count as the window's."""
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def not_configured_message(names: list[str]) -> str:
+    """The one-line answer for models whose engines have no profiler folder."""
+    which = f"Model(s) {', '.join(repr(n) for n in names)} have" if names else "No model has"
+    return (f"{which} no engine.profiler_dir, so their engines cannot take traces: set "
+            "models[].engine.profiler_dir (an absolute folder on every node) in the fleet file and redeploy.")
+
+
+def default_store() -> Path:
+    """Where a gateway gathers trace files: ``<cache>/profiles``."""
+    return cache_dir() / "profiles"
 
 
 def safe_part(name: str) -> str:

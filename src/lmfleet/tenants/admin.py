@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from lmfleet.errors import LmfleetError
 from lmfleet.config.tenants import TenantProblem, TenantSettings, TenantUpdate, check_settings
 from lmfleet.overflow.store import Cap, StoreUnavailable, caps_for_budget, tenant_key
 from lmfleet.overflow.store._overrides import TenantOverride
@@ -33,7 +34,7 @@ __all__ = ["TenantAdmin", "TenantSettingsError", "UnknownTenantError", "parse_up
 log = logging.getLogger("lmfleet.tenants")
 
 
-class TenantSettingsError(ValueError):
+class TenantSettingsError(LmfleetError, ValueError):
     """A ``PUT`` body that cannot be used: ``param`` is the key path (``limits.max_concurrency``), ``message`` says
     what was found and what is expected."""
 
@@ -43,7 +44,7 @@ class TenantSettingsError(ValueError):
         self.message = message
 
 
-class UnknownTenantError(KeyError):
+class UnknownTenantError(LmfleetError, KeyError):
     """No tenant of that name (404)."""
 
 

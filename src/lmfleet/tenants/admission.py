@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lmfleet.errors import LmfleetError
 from lmfleet.config.tenants import PriorityClass, TenantLimits
 from lmfleet.overflow.policy import Reason
 from lmfleet.tenants.directory import Tenant
@@ -50,7 +51,7 @@ __all__ = [
 PRIORITY_HEADER = "x-lmfleet-priority"
 
 
-class PriorityHeaderError(ValueError):
+class PriorityHeaderError(LmfleetError, ValueError):
     """The x-lmfleet-priority header names no class: the gateway answers 400 with :meth:`body`."""
 
     status = 400

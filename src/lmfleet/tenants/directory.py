@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmfleet.errors import LmfleetError
 from lmfleet.config.tenants import DEFAULT_TENANT, PriorityClass, TenantConfig, TenantLimits
 
 __all__ = ["KeySource", "Tenant", "TenantDirectory", "TenantKeyError", "digest", "load_keys", "read_key_file"]
 
 
-class TenantKeyError(ValueError):
+class TenantKeyError(LmfleetError, ValueError):
     """A key source that cannot be used (unset, unreadable, empty) or a key held by two tenants.
 
     The message names the config key and the env var or file, never a key.

@@ -26,12 +26,13 @@ import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
+from lmfleet.errors import LmfleetError
 from lmfleet.tenants.fairness import Waiting, next_to_dispatch
 
 __all__ = ["DispatchQueue", "QueueFull"]
 
 
-class QueueFull(Exception):
+class QueueFull(LmfleetError):
     """``max_waiting`` requests already wait for this model."""
 
 
@@ -120,7 +121,8 @@ class DispatchQueue:
     @property
     def waiting_by_order(self) -> Mapping[int, int]:
         """How many requests wait now, per class order (a read-only live view; orders with none are absent): what
-        :func:`lmfleet.gateway.routing.router.class_wait_ms` needs to leave the less urgent classes out of an estimate."""
+        :func:`lmfleet.gateway.routing.router.class_wait_ms` needs to leave the less urgent classes out of an
+        estimate."""
         return self._by_order_view
 
     def waiting_behind(self, order: int) -> int:

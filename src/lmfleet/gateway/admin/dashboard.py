@@ -46,14 +46,14 @@ from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
 
 from lmfleet.gateway.observe.metrics import GatewayMetrics
-from lmfleet.gateway.admin.recent_errors import ErrorEntry, recent_errors
+from lmfleet.gateway.admin.recent_errors import ErrorEntry
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import BudgetStatus
 from lmfleet.provenance import is_external
 
 __all__ = ["SERIES", "BudgetReading", "Counters", "DashboardHistory", "ModelReading", "ProviderReading", "Reading",
-           "build_dashboard", "dashboard_routes", "group_errors", "histogram_quantile", "read_counters",
-           "read_gateway", "series_point"]
+           "build_dashboard", "dashboard_data", "dashboard_routes", "group_errors", "histogram_quantile",
+           "read_counters", "read_gateway", "series_point"]
 
 MIN_INTERVAL_S = 1.0
 HISTORY = 600
@@ -452,12 +452,20 @@ _PID = os.getpid()
 _NO_STORE = {"cache-control": "no-store", "x-content-type-options": "nosniff", "referrer-policy": "no-referrer"}
 
 
-def dashboard_routes(gw: Gateway) -> APIRouter:
-    """``GET /dashboard`` (the page; open, it holds nothing) and ``GET /admin/dashboard.json`` (admin key, checked
-    by the auth middleware like every /admin route)."""
+async def dashboard_data(gw: Gateway, history: DashboardHistory, errors: Sequence[ErrorEntry],
+                         since: float | None = None) -> JSONResponse:
+    """``GET /admin/dashboard.json``: the page's data (a reading now, the series since ``since``)."""
+    now = read_gateway(gw, await gw.router.budget_status())
+    history.add(now)
+    body = build_dashboard(now, history.base(now), history.series(since), errors, series_until=history.last_t)
+    body["pid"] = _PID  # several workers on one port each answer with their own view
+    return JSONResponse(body, headers=_NO_STORE)
+
+
+def dashboard_routes() -> APIRouter:
+    """``GET /dashboard``: the page (open, it holds nothing; its data is ``GET /admin/dashboard.json``, in
+    :mod:`lmfleet.gateway.admin.routes`)."""
     r = APIRouter()
-    history = DashboardHistory()
-    errors = recent_errors()
 
     @r.get("/dashboard", include_in_schema=False)
     async def page() -> Response:
@@ -467,14 +475,5 @@ def dashboard_routes(gw: Gateway) -> APIRouter:
         body, csp = _PAGE
         return Response(body, media_type="text/html; charset=utf-8",
                         headers={**_NO_STORE, "content-security-policy": csp, "x-frame-options": "DENY"})
-
-    @r.get("/admin/dashboard.json")
-    async def data(since: float | None = None) -> JSONResponse:
-        now = read_gateway(gw, await gw.router.budget_status())
-        history.add(now)
-        body = build_dashboard(now, history.base(now), history.series(since), errors.entries(),
-                               series_until=history.last_t)
-        body["pid"] = _PID  # several workers on one port each answer with their own view
-        return JSONResponse(body, headers=_NO_STORE)
 
     return r

@@ -1,4 +1,4 @@
-"""The gateway's profiling routes (admin key; the auth middleware guards every /admin/* path).
+"""The profiling side of the admin API (its routes are in :mod:`lmfleet.gateway.admin.routes`; admin key).
 
     GET  /admin/profile/snapshot     histogram sums for the request anatomy: this gateway process's phases and
                                      every engine's (Ray's metrics pages)
@@ -23,14 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
 from starlette.responses import FileResponse
 
-from lmfleet.gateway.front.access import read_json
+from lmfleet.engine.app import profiler_trace_dir
 from lmfleet.gateway.front.errors import GatewayError
 from lmfleet.gateway.service import Gateway
 from lmfleet.profile.anatomy import engine_source, engine_sums, gateway_sums, to_json
-from lmfleet.profile.traces import EngineControl, RayEngineControl, safe_part
+from lmfleet.profile.traces import EngineControl, RayEngineControl, default_store, not_configured_message, safe_part
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -38,48 +37,39 @@ SESSION_RE = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}$")
 MAX_WINDOW_S = 3600.0
 
 
-def not_configured_message(names: list[str]) -> str:
-    """The one-line answer for models whose engines have no profiler folder."""
-    which = f"Model(s) {', '.join(repr(n) for n in names)} have" if names else "No model has"
-    return (f"{which} no engine.profiler_dir, so their engines cannot take traces: set "
-            "models[].engine.profiler_dir (an absolute folder on every node) in the fleet file and redeploy.")
+class Profiler:
+    """What the /admin/profile/* routes do. ``control``: how engines are reached (None: this process's Ray
+    connection); ``fetch_pages``: the engines' metrics pages (None: the gateway's engine-stats poller's fetcher);
+    ``store``: where gathered files go (None: :func:`~lmfleet.profile.traces.default_store`). Tests set them."""
 
+    def __init__(self, gw: Gateway, *, control: EngineControl | None = None,
+                 fetch_pages: Callable[[], list[str]] | None = None, store: Path | None = None):
+        self.gw = gw
+        self.control = control
+        self.fetch_pages = fetch_pages
+        self.store = store
 
-def default_store() -> Path:
-    from lmfleet.models.registry import cache_dir
+    def _pages(self) -> Callable[[], list[str]] | None:
+        if self.fetch_pages is not None:
+            return self.fetch_pages
+        return self.gw.engine_stats.fetch if self.gw.engine_stats is not None else None
 
-    return cache_dir() / "profiles"
-
-
-def profile_routes(gw: Gateway, *, control: EngineControl | None = None,
-                   fetch_pages: Callable[[], list[str]] | None = None, store: Path | None = None,
-                   max_body_bytes: int = 65536) -> APIRouter:
-    """The routes above. ``control``: how engines are reached (default: this process's Ray connection);
-    ``fetch_pages``: the engines' metrics pages (default: the gateway's engine-stats poller's fetcher)."""
-    r = APIRouter()
-
-    def _pages() -> Callable[[], list[str]] | None:
-        if fetch_pages is not None:
-            return fetch_pages
-        return gw.engine_stats.fetch if gw.engine_stats is not None else None
-
-    def _control() -> EngineControl:
-        if control is not None:
-            return control
-        import ray
+    def _control(self) -> EngineControl:
+        if self.control is not None:
+            return self.control
+        import ray  # here: Ray is a heavy import that only this call needs
 
         if not ray.is_initialized():
             raise GatewayError(503, "This gateway is not connected to a Ray cluster, so it cannot reach the engines.")
         return RayEngineControl()
 
-    def _store() -> Path:
-        return store if store is not None else default_store()
+    def _store(self) -> Path:
+        return self.store if self.store is not None else default_store()
 
-    def _targets(body: dict[str, Any], required: bool) -> dict[str, str]:
+    def _targets(self, body: dict[str, Any], required: bool) -> dict[str, str]:
         """model -> its engines' trace folder, for the models named in the body (all models with a folder when
         none is named); 409 when a named model (or, with none named, every model) has no folder."""
-        from lmfleet.engine.app import profiler_trace_dir
-
+        gw = self.gw
         names = body.get("models")
         if names is None and not required:
             names = list(gw.models)
@@ -103,12 +93,11 @@ def profile_routes(gw: Gateway, *, control: EngineControl | None = None,
                                code="profiler_not_configured")
         return dirs
 
-    @r.get("/admin/profile/snapshot")
-    async def snapshot() -> dict[str, Any]:
+    async def snapshot(self) -> dict[str, Any]:
         """Histogram sums now: the gateway's phases (this process) and the engines' (every node)."""
-        samples = [(s.name, s.labels, s.value) for fam in gw.metrics.registry.collect() for s in fam.samples]
+        samples = [(s.name, s.labels, s.value) for fam in self.gw.metrics.registry.collect() for s in fam.samples]
         engine, source, error = {}, None, None
-        fetch = _pages()
+        fetch = self._pages()
         if fetch is None:
             error = "no engine metrics source (this gateway does not poll Ray's metrics pages)"
         else:
@@ -121,11 +110,11 @@ def profile_routes(gw: Gateway, *, control: EngineControl | None = None,
         return {"at": time.time(), "pid": os.getpid(), "gateway": to_json(gateway_sums(samples)), "engine": engine,
                 "engine_source": source, "engine_error": error}
 
-    @r.post("/admin/profile/start")
-    async def start(request: Request) -> dict[str, Any]:
-        body = await read_json(request, max_body_bytes, 10.0)
-        dirs = _targets(body, required=False)
-        ctl = _control()
+    async def start(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Start vLLM's profiler on every replica of the models in ``body`` (all with a folder when none)."""
+        gw = self.gw
+        dirs = self._targets(body, required=False)
+        ctl = self._control()
         session = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
         out: dict[str, Any] = {}
         for name, d in dirs.items():
@@ -140,9 +129,9 @@ def profile_routes(gw: Gateway, *, control: EngineControl | None = None,
         log.info("admin: profiler started for %s (session %s)", sorted(out), session)
         return {"session": session, "started_at": time.time(), "models": out}
 
-    @r.post("/admin/profile/stop")
-    async def stop(request: Request) -> dict[str, Any]:
-        body = await read_json(request, max_body_bytes, 10.0)
+    async def stop(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Stop the profiler, gather the trace files from every node into this node's store, list them."""
+        gw = self.gw
         session = body.get("session")
         if not isinstance(session, str) or not SESSION_RE.match(session):
             raise GatewayError(400, f"session must be what /admin/profile/start returned, got {session!r}",
@@ -151,8 +140,8 @@ def profile_routes(gw: Gateway, *, control: EngineControl | None = None,
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 < window <= MAX_WINDOW_S:
             raise GatewayError(400, f"window_s must be a number of seconds in (0, {MAX_WINDOW_S:g}], got {window!r}",
                                param="window_s")
-        dirs = _targets(body, required=True)
-        ctl = _control()
+        dirs = self._targets(body, required=True)
+        ctl = self._control()
         t0 = time.monotonic()
         replicas, errors = {}, []
         for name in dirs:
@@ -162,22 +151,20 @@ def profile_routes(gw: Gateway, *, control: EngineControl | None = None,
                 errors.append(f"{name}: stop failed: {type(e).__name__}: {e}"[:300])
         window_s = float(window) + (time.monotonic() - t0)  # traces are written while stopping
         nodes = await asyncio.to_thread(ctl.collect, dirs, window_s)
-        files, skipped = await asyncio.to_thread(_save, _store() / session, nodes)
+        files, skipped = await asyncio.to_thread(_save, self._store() / session, nodes)
         log.info("admin: profiler stopped for %s (session %s): %d trace file(s)", sorted(dirs), session, len(files))
         return {"session": session, "models": {n: {"replicas": replicas.get(n)} for n in dirs}, "files": files,
                 "skipped": skipped, "errors": errors}
 
-    @r.get("/admin/profile/files/{session}/{model}/{node}/{name}")
-    async def file(session: str, model: str, node: str, name: str) -> FileResponse:
-        if not SESSION_RE.match(session) or model not in gw.models or node != safe_part(node) \
+    def file(self, session: str, model: str, node: str, name: str) -> FileResponse:
+        """One gathered trace file (404 for anything else)."""
+        if not SESSION_RE.match(session) or model not in self.gw.models or node != safe_part(node) \
                 or name != safe_part(name):
             raise GatewayError(404, "No such trace file.")
-        path = _store() / session / safe_part(model) / node / name
+        path = self._store() / session / safe_part(model) / node / name
         if not path.is_file():
             raise GatewayError(404, "No such trace file.")
         return FileResponse(path, media_type="application/octet-stream", filename=name)
-
-    return r
 
 
 def _quietly(fn: Callable[[str], Any], arg: str) -> None:

@@ -14,11 +14,13 @@ import asyncio
 import hmac
 import ipaddress
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 
+from lmfleet.errors import LmfleetError
 from lmfleet.gateway.front.errors import GatewayError
 from lmfleet.gateway.front.validation import parse_json
 from lmfleet.tenants import TenantDirectory
@@ -27,7 +29,7 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
-class GatewayConfigError(ValueError):
+class GatewayConfigError(LmfleetError, ValueError):
     """The gateway's settings would leave it open or cannot be honoured; the message says which key and how to fix."""
 
 
@@ -108,8 +110,6 @@ def operator_may_see(headers: Headers, api_keys: Iterable[str] | TenantDirectory
 def load_keys_from(env_name: str | None, file: str | None, environ: Mapping[str, str]) -> frozenset[str]:
     """Client keys from an env var (comma-separated) and/or a file (one a line, # comments). Raises
     :class:`GatewayConfigError` when a configured source yields none: auth must never turn off silently."""
-    from pathlib import Path
-
     keys: set[str] = set()
     if env_name:
         from_env = {k.strip() for k in environ.get(env_name, "").split(",") if k.strip()}

@@ -11,16 +11,27 @@ Exception tree::
         UpstreamMisconfigured            a provider refused our key or model (401/403/404): our fault, not the client's
         UpstreamRejected                 4xx: the backend says the request itself is wrong (not retryable)
 
-Upstream failures are classified once, in ``gateway.upstream``; only ``gateway.app`` turns errors into
-HTTP responses.
+All derive from :class:`lmfleet.errors.LmfleetError`. Upstream failures are classified once, in
+:mod:`lmfleet.gateway.relay.upstream`; :func:`error_response` is the one place an error becomes an HTTP response
+(the OpenAI routes, the auth layer and FastAPI's exception handlers all call it).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
 
-class GatewayError(Exception):
+from lmfleet.errors import LmfleetError
+
+log = logging.getLogger("lmfleet.gateway")
+
+
+class GatewayError(LmfleetError):
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
@@ -35,7 +46,7 @@ class GatewayError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-class UpstreamError(Exception):
+class UpstreamError(LmfleetError):
     """A backend failed. ``status`` is the upstream HTTP status, or None when no answer came."""
 
     retryable = True
@@ -96,3 +107,22 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, code=code)
+
+
+def error_response(e: BaseException, *, method: str = "", path: str = "",
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The HTTP answer to any error, in OpenAI's shape: a :class:`GatewayError` as it says (``headers`` first,
+    its own over them), a framework HTTP error (404/405 of an unknown route) with its status, a request the
+    framework could not parse as 400, anything else as a logged 500. ``method``/``path``: the request's."""
+    if isinstance(e, GatewayError):
+        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers} if headers else e.headers)
+    if isinstance(e, HTTPException):
+        msg = "Not found." if e.status_code == 404 else str(e.detail)
+        if e.status_code == 405:
+            msg = f"Method {method} is not allowed on {path}."
+        return JSONResponse(error_body(msg, "invalid_request_error" if e.status_code < 500 else "server_error"),
+                            status_code=e.status_code)
+    if isinstance(e, RequestValidationError):
+        return JSONResponse(error_body(str(e.errors()[:3])), status_code=400)
+    log.error("unexpected error on %s", path, exc_info=e)
+    return JSONResponse(error_body("Internal gateway error.", "server_error"), status_code=500)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-if TYPE_CHECKING:
-    from lmfleet.overflow.engine_stats import ReplicaTable
+from lmfleet.overflow.engine_stats import ReplicaTable, imbalance
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
@@ -96,10 +95,8 @@ class GatewayMetrics:
             child = self._prepare_children[model] = self.prepare.labels(model)
         child.observe(seconds)
 
-    def set_replicas(self, table: "ReplicaTable") -> None:
+    def set_replicas(self, table: ReplicaTable) -> None:
         """Publish the latest per-replica engine figures; replicas gone since the last poll disappear."""
-        from lmfleet.overflow.engine_stats import imbalance
-
         gauges = (self.replica_running, self.replica_waiting, self.replica_finished, self.replica_prefix_hits,
                   self.replica_prefix_queries)
         for g in (*gauges, self.replica_imbalance):

@@ -1,1 +1,1 @@
-
+"""Running a request: attempts against its backends and the relay of their answer."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lmfleet.errors import LmfleetError
+
 DONE = b"data: [DONE]"
 
 
-class SSEEventTooLarge(ValueError):
+class SSEEventTooLarge(LmfleetError, ValueError):
     """An upstream event grew past the splitter's limit without ending (a broken or hostile stream)."""
 
     def __init__(self, size: int, limit: int):

@@ -30,13 +30,15 @@ from typing import Any
 import httptools
 import yarl
 
+from lmfleet.errors import LmfleetError
+
 __all__ = ["HIGH_WATER", "StreamPool", "StreamProtocolError", "StreamResponse"]
 
 HIGH_WATER = 256 * 1024
 """Body bytes waiting to be read past which the socket is no longer read (resumed below a quarter of it)."""
 
 
-class StreamProtocolError(ConnectionError):
+class StreamProtocolError(LmfleetError, ConnectionError):
     """The server's bytes are not a valid HTTP/1.1 response, or the connection ended mid-answer."""
 
 

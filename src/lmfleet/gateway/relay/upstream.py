@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import yarl
 
+from lmfleet.errors import LmfleetError
 from lmfleet.gateway.front.errors import (
     UpstreamError,
     UpstreamMisconfigured,
@@ -164,7 +165,7 @@ def _url(base_url: str, path: str) -> yarl.URL:
     return yarl.URL(f"{base_url}{path}")
 
 
-class StreamStalled(Exception):
+class StreamStalled(LmfleetError):
     """A stream sent nothing for longer than its endpoint's ``idle_timeout_s``."""
 
 

@@ -5,7 +5,7 @@ Two kinds, one protocol (:class:`Backend`)::
     LocalBackend     a model's Ray Serve deployment: load tracker, readiness, cost meter, Serve base URL
     ProviderBackend  an external OpenAI-compatible provider: breaker, in-flight cap, price, model map, key
 
-The request run (``gateway.run``) drives a backend through one attempt::
+The request run (:mod:`lmfleet.gateway.relay.run`) drives a backend through one attempt::
 
     slot = await backend.acquire(ask)          # admission (breaker, caps, budget) + counted in flight; None: skip
         ... call backend.endpoint(...) ...

@@ -6,6 +6,8 @@ import asyncio
 import logging
 from typing import Any
 
+from lmfleet.models.tokenizer import TokenizerLoadError, load_tokenizer
+
 log = logging.getLogger("lmfleet.gateway")
 
 # prompts longer than this many characters are tokenized in a worker thread, off the event loop
@@ -15,8 +17,6 @@ _OFFLOAD_CHARS = 16_000
 def load_tokenizer_or_none(path: str, *, trust_remote_code: bool = False) -> Any | None:
     """The model's tokenizer, or None (with a warning): the gateway still serves, only the early
     context-length check is lost."""
-    from lmfleet.models.tokenizer import TokenizerLoadError, load_tokenizer
-
     try:
         return load_tokenizer(path, trust_remote_code=trust_remote_code, local_files_only=False)
     except TokenizerLoadError as e:
