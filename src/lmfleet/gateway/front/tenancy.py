@@ -29,7 +29,8 @@ class Tenancy:
     """The checks a tenant's request passes before it is routed (the fleet's priority classes)."""
 
     def __init__(self, classes: Sequence[PriorityClass]):
-        self.classes = list(classes)
+        self.classes = classes
+        """The fleet's classes (the tenant book's own sequence, not a copy)."""
 
     def admit(self, tenant: Tenant | None, model: str, headers: Mapping[str, str]) -> PriorityClass | None:
         """The request's priority class (None: no tenant). 403 when the tenant may not use ``model``, 400 for a
