@@ -64,7 +64,7 @@ class PriorityClass(_Strict):
     name: str = Field(..., pattern=_LABEL_RE, description="Class name, as sent in the x-lmfleet-priority header.")
     order: int = Field(..., ge=0, le=1000, description="Dispatch order in the local queue: lower goes first.")
     max_wait_s: float | None = Field(
-        None, gt=0, le=86400, description="Local wait deadline. Null: the class overflows like today (local while "
+        None, gt=0, le=86400, description="Local wait deadline. Null: the class overflows as a fleet without classes does (local while "
         "the predicted wait is under the model's overflow.threshold_ms, else a provider). Set: requests wait "
         "locally up to this long, go to a paid provider only when their tenant has batch_may_use_providers, "
         "else get 429.")
@@ -72,7 +72,7 @@ class PriorityClass(_Strict):
         0.0, ge=0, le=60000, description="How long, at most, a request of this class waits before its local "
         "dispatch while requests of a more urgent class are starting there (dispatched, no first token yet): "
         "their prefill goes first on a busy engine. 0 (the default): it does not wait for them. Measured on a 2-core "
-        "CPU fleet (docs/tenants.md, session 14): no effect on an interactive tenant's TTFT there.")
+        "CPU fleet (2026-12-02): no effect on an interactive tenant's TTFT there.")
 
 
 def default_priority_classes() -> list[PriorityClass]:
