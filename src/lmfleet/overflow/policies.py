@@ -35,7 +35,8 @@ The table (first match wins; "may" = permitted and a provider open)::
       ttft_timeout, hedge: timer ran out, not permitted       -> WAIT (event)   provider_not_allowed
       otherwise                                               -> WAIT (event)   waiting_for_first_token
 
-Failing over after a local error is the same under every policy (the local attempt is gone; a provider is the
+A request sent to a provider at admission leaves this table: the provider path's retries and fallbacks
+take it from there. Failing over after a local error is the same under every policy (the local attempt is gone; a provider is the
 only way to answer). A batch request whose tenant does not allow providers never leaves the local engines: not
 at admission, not as a hedge, not after a timeout or an error.
 """
@@ -44,6 +45,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from lmfleet.config.models import OverflowPolicyConfig
 
 __all__ = [
     "PROVIDER_RECHECK_S",
@@ -131,9 +134,9 @@ class PolicyTimers:
             raise ValueError(f"policy {self.policy.value} needs {need[0]} > 0, got {need[1]!r}")
 
     @classmethod
-    def from_config(cls, overflow: object) -> "PolicyTimers":
-        """From a model's ``OverflowPolicyConfig``."""
-        return cls(Policy(overflow.policy), overflow.ttft_timeout_ms, overflow.hedge_after_ms)  # type: ignore[attr-defined]
+    def from_config(cls, overflow: OverflowPolicyConfig) -> "PolicyTimers":
+        """From a model's ``overflow`` section."""
+        return cls(Policy(overflow.policy), overflow.ttft_timeout_ms, overflow.hedge_after_ms)
 
     @property
     def timer_ms(self) -> float | None:
