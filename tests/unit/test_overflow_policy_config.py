@@ -33,7 +33,7 @@ def test_valid_policies(overflow):
     ({"policy": "hedge"}, ["needs overflow.hedge_after_ms"]),
     ({"policy": "predictive", "hedge_after_ms": 100}, ["hedge_after_ms=100", "'predictive'"]),
     ({"policy": "hedge", "hedge_after_ms": 100, "ttft_timeout_ms": 100}, ["ttft_timeout_ms=100", "'hedge'"]),
-    ({"policy": "ttft_timeout", "ttft_timeout_ms": 60_000}, ["local_first_token_timeout_s=60"]),
+    ({"policy": "ttft_timeout", "ttft_timeout_ms": 60_000}, ["local_first_token_timeout_s=60.0 s (60000 ms)"]),
     ({"policy": "ttft_timeout", "ttft_timeout_ms": 0}, ["greater than 0"]),
     ({"policy": "retry"}, ["predictive", "hedge"]),
 ])

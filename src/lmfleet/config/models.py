@@ -356,8 +356,8 @@ class OverflowPolicyConfig(_Strict):
                                  f"used only by policy {policy}: set that policy or remove the key")
             if value is not None and value >= self.local_first_token_timeout_s * 1000:
                 raise ValueError(f"overflow.{key}={value} must be below overflow.local_first_token_timeout_s="
-                                 f"{self.local_first_token_timeout_s} (x1000 ms), which would cancel the local "
-                                 "request first")
+                                 f"{self.local_first_token_timeout_s} s ({self.local_first_token_timeout_s * 1000:g} "
+                                 "ms), which would cancel the local request first")
         return self
 
 
