@@ -323,6 +323,42 @@ class OverflowPolicyConfig(_Strict):
         60.0, gt=0, description="With a provider configured: a local request with no first token after this long "
         "is cancelled and sent to the provider."
     )
+    policy: Literal["predictive", "ttft_timeout", "on_error", "hedge"] = Field(
+        "predictive", description="When a request leaves the local engines for a provider. predictive (the "
+        "default): before it is sent, when the predicted local wait is above threshold_ms; no prompt is prefilled "
+        "twice. hedge: predictive, and a request kept local with no first token after hedge_after_ms is also sent "
+        "to a provider; the first first token wins and the other attempt is cancelled (both are paid for): for "
+        "when missing the threshold costs more than the occasional duplicate. ttft_timeout: always local first; "
+        "no first token after ttft_timeout_ms cancels it and sends it to a provider (what LiteLLM, TensorZero and "
+        "Bifrost do; the client waits the whole timeout). on_error: a provider only when the local deployment "
+        "answers 429/5xx or cannot be reached (spillover of capacity errors, never of slow requests)."
+    )
+    ttft_timeout_ms: float | None = Field(
+        None, gt=0, le=3_600_000, description="policy ttft_timeout: how long a local request may go without a "
+        "first token before it is cancelled and sent to a provider. Required by that policy, unused by the others."
+    )
+    hedge_after_ms: float | None = Field(
+        None, gt=0, le=3_600_000, description="policy hedge: how long a request kept local may go without a first "
+        "token before a provider attempt starts beside it. Required by that policy, unused by the others; at or "
+        "below threshold_ms keeps the worst TTFT near threshold_ms plus the provider's TTFT."
+    )
+
+    @model_validator(mode="after")
+    def _policy_timers(self) -> "OverflowPolicyConfig":
+        needs = {"ttft_timeout": "ttft_timeout_ms", "hedge": "hedge_after_ms"}
+        for policy, key in needs.items():
+            value = getattr(self, key)
+            if self.policy == policy and value is None:
+                raise ValueError(f"overflow.policy {policy} needs overflow.{key} (milliseconds without a first "
+                                 f"token before the provider is asked); set it, or choose another policy")
+            if self.policy != policy and value is not None:
+                raise ValueError(f"overflow.{key}={value} is set but overflow.policy is {self.policy!r}; it is "
+                                 f"used only by policy {policy}: set that policy or remove the key")
+            if value is not None and value >= self.local_first_token_timeout_s * 1000:
+                raise ValueError(f"overflow.{key}={value} must be below overflow.local_first_token_timeout_s="
+                                 f"{self.local_first_token_timeout_s} s ({self.local_first_token_timeout_s * 1000:g} "
+                                 "ms), which would cancel the local request first")
+        return self
 
 
 class ModelConfig(_Strict):
@@ -740,6 +776,12 @@ class FleetConfig(_Strict):
             for p in m.overflow.providers or []:
                 if p not in pnames:
                     raise ValueError(f"model {m.name!r}: overflow provider {p!r} is not in providers {pnames}")
+            if m.overflow.policy != "predictive" and not any(
+                    m.name in p.model_map for p in self.providers
+                    if m.overflow.providers is None or p.name in m.overflow.providers):
+                raise ValueError(f"model {m.name!r}: overflow.policy {m.overflow.policy} sends requests to a provider, "
+                                 "but no provider's model_map names this model (within overflow.providers); add one, "
+                                 "or use policy predictive")
         for p in self.providers:
             unknown = sorted(set(p.model_map) - set(names))
             if unknown:
