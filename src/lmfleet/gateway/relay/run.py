@@ -35,7 +35,8 @@ from lmfleet.gateway.relay.response import RelayResponse
 from lmfleet.gateway.relay.rewrite import rewrite, take_usage
 from lmfleet.gateway.relay.upstream import STREAM_ERRORS, Endpoint, OpenStream, complete, open_stream
 from lmfleet.gateway.routing.backends import Ask, Backend
-from lmfleet.gateway.routing.router import Plan, PromptSize, ServedModel
+from lmfleet.gateway.routing.router import Plan
+from lmfleet.gateway.routing.served import PromptSize, ServedModel
 from lmfleet.overflow import Reason
 from lmfleet.tenants.queue import QueueFull
 
