@@ -9,6 +9,10 @@ Ray Serve's do, so the server can stand in for a local model too.
 
     python tests/support/fast_openai_server.py --port 18555 [--ttft-ms 0] [--itl-ms 0] [--served-by local/x]
 
+``--latency-model MEDIAN_MS,P99_MS,PER_TOKEN_MS`` (with ``--seed``) replaces the fixed delays with a hosted
+API's shape: each answer's TTFT drawn log-normal with that median and P99, then one token every PER_TOKEN_MS
+(``lmfleet.bench.trace.ProviderLatency``; draws in arrival order from one seeded generator).
+
 In tests: ``with FastServer() as srv: srv.base_url``  (a subprocess on a free port).
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -54,6 +59,13 @@ class Handler(asyncio.Protocol):
             method, path = head.split(" ", 2)[:2]
             asyncio.get_running_loop().create_task(self.respond(method, path, body))
 
+    def delays_s(self, n: int) -> tuple[float, float]:
+        """(TTFT, inter-token delay) in seconds for an answer of ``n`` tokens."""
+        model = self.opts.latency
+        if model is None:
+            return self.opts.ttft_ms / 1000, self.opts.itl_ms / 1000
+        return model.sample(self.opts.rng, n).ttft_s, model.per_output_token_s
+
     async def respond(self, method: str, path: str, body: bytes) -> None:
         t = self.transport
         if t is None or t.is_closing():
@@ -73,11 +85,12 @@ class Handler(asyncio.Protocol):
         prompt = req.get("prompt") or " ".join(m.get("content", "") for m in req.get("messages", []))
         usage = {"prompt_tokens": len(str(prompt).split()), "completion_tokens": n,
                  "total_tokens": len(str(prompt).split()) + n}
+        ttft_s, itl_s = self.delays_s(n)
         if not req.get("stream"):
             choice = ({"index": 0, "message": {"role": "assistant", "content": " tok" * n}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": " tok" * n, "finish_reason": "length"})
-            if self.opts.ttft_ms:
-                await asyncio.sleep(self.opts.ttft_ms / 1000)
+            if ttft_s or itl_s:
+                await asyncio.sleep(ttft_s + (n - 1) * itl_s)
             payload = json.dumps({"id": "x", "object": "chat.completion" if chat else "text_completion",
                                   "choices": [choice], "usage": usage}).encode()
             t.write(self.head(200, "application/json", len(payload)) + payload)
@@ -85,13 +98,13 @@ class Handler(asyncio.Protocol):
         t.write(self.head(200, "text/event-stream", None))
         event = (b'{"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" tok"}}]}'
                  if chat else b'{"id":"x","object":"text_completion","choices":[{"index":0,"text":" tok"}]}')
-        if self.opts.ttft_ms:
-            await asyncio.sleep(self.opts.ttft_ms / 1000)
+        if ttft_s:
+            await asyncio.sleep(ttft_s)
         chunk = self.chunk(b"data: " + event + b"\n\n")
-        if self.opts.itl_ms:
+        if itl_s:
             for i in range(n):
                 if i:
-                    await asyncio.sleep(self.opts.itl_ms / 1000)
+                    await asyncio.sleep(itl_s)
                 if t.is_closing():
                     return
                 t.write(chunk)
@@ -126,7 +139,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-ms", type=float, default=0.0)
     p.add_argument("--itl-ms", type=float, default=0.0)
     p.add_argument("--served-by", default="", help="value of the x-lmfleet-served-by header (none if empty)")
-    return p.parse_args(argv)
+    p.add_argument("--latency-model", default="", metavar="MEDIAN_MS,P99_MS,PER_TOKEN_MS",
+                   help="log-normal TTFT and a per-token pace instead of --ttft-ms/--itl-ms (module docstring)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --latency-model's draws")
+    opts = p.parse_args(argv)
+    opts.latency, opts.rng = None, random.Random(opts.seed)
+    if opts.latency_model:
+        from lmfleet.bench.trace import ProviderLatency
+
+        median, p99, per_token = (float(x) / 1000 for x in opts.latency_model.split(","))
+        opts.latency = ProviderLatency(median, p99, per_token)
+    return opts
 
 
 async def serve(opts: argparse.Namespace) -> None:
