@@ -398,7 +398,8 @@ def tree_cpu(ps: list[psutil.Process]) -> float:
 # one phase: all client processes against one path
 # ---------------------------------------------------------------------------------------------
 def run_phase(path: Path_, fake_pid: int, args, shape: Shape, *, open_rate: float | None,
-              profile: tuple[str, float] | None = None) -> dict:
+              profile: tuple[str, float, str] | None = None) -> dict:
+    """One phase; ``profile``: (py-spy binary, seconds, output file) to sample the path's first process."""
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     nproc = args.clients
