@@ -4,7 +4,9 @@ Raw asyncio (no framework) so that the server, not the client, is cheap: HTTP/1.
 ``GET /v1/models``, ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed with chunked
 transfer encoding, or not). Each answer has ``min(max_tokens, --max-tokens)`` one-word tokens,
 optional TTFT / inter-token delays, a ``usage`` event when asked, and an optional
-``x-lmfleet-served-by`` header. Paths may carry a route prefix (``/m/v1/chat/completions``), as
+``x-lmfleet-served-by`` header. To stream like an engine: ``--itl-ms A --itl-ms-max B`` draws each stream's
+inter-token time from uniform(A, B), ``--ttft-ms-per-prompt-token`` adds prefill time in proportion to the prompt's
+words, and ``--workers N`` serves from N processes on one port (SO_REUSEPORT), so the fake is not the limit. Paths may carry a route prefix (``/m/v1/chat/completions``), as
 Ray Serve's do, so the server can stand in for a local model too.
 
     python tests/support/fast_openai_server.py --port 18555 [--ttft-ms 0] [--itl-ms 0] [--served-by local/x]
@@ -16,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import random
 import socket
 import subprocess
 import sys
@@ -71,13 +76,15 @@ class Handler(asyncio.Protocol):
         chat = path.endswith("chat/completions")
         n = max(1, min(int(req.get("max_tokens") or 16), self.opts.max_tokens))
         prompt = req.get("prompt") or " ".join(m.get("content", "") for m in req.get("messages", []))
-        usage = {"prompt_tokens": len(str(prompt).split()), "completion_tokens": n,
-                 "total_tokens": len(str(prompt).split()) + n}
+        prompt_tokens = len(str(prompt).split())
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        ttft_s = (self.opts.ttft_ms + self.opts.ttft_ms_per_prompt_token * prompt_tokens) / 1000
+        itl_s = random.uniform(self.opts.itl_ms, max(self.opts.itl_ms, self.opts.itl_ms_max)) / 1000
         if not req.get("stream"):
             choice = ({"index": 0, "message": {"role": "assistant", "content": " tok" * n}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": " tok" * n, "finish_reason": "length"})
-            if self.opts.ttft_ms:
-                await asyncio.sleep(self.opts.ttft_ms / 1000)
+            if ttft_s:
+                await asyncio.sleep(ttft_s)
             payload = json.dumps({"id": "x", "object": "chat.completion" if chat else "text_completion",
                                   "choices": [choice], "usage": usage}).encode()
             t.write(self.head(200, "application/json", len(payload)) + payload)
@@ -85,13 +92,15 @@ class Handler(asyncio.Protocol):
         t.write(self.head(200, "text/event-stream", None))
         event = (b'{"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" tok"}}]}'
                  if chat else b'{"id":"x","object":"text_completion","choices":[{"index":0,"text":" tok"}]}')
-        if self.opts.ttft_ms:
-            await asyncio.sleep(self.opts.ttft_ms / 1000)
+        if ttft_s:
+            await asyncio.sleep(ttft_s)
         chunk = self.chunk(b"data: " + event + b"\n\n")
-        if self.opts.itl_ms:
+        if itl_s:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
             for i in range(n):
-                if i:
-                    await asyncio.sleep(self.opts.itl_ms / 1000)
+                if i:  # on a fixed schedule from the first token, so that timer slack does not add up
+                    await asyncio.sleep(t0 + i * itl_s - loop.time())
                 if t.is_closing():
                     return
                 t.write(chunk)
@@ -125,15 +134,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=10**6, help="cap on tokens per answer")
     p.add_argument("--ttft-ms", type=float, default=0.0)
     p.add_argument("--itl-ms", type=float, default=0.0)
+    p.add_argument("--itl-ms-max", type=float, default=0.0,
+                   help="above --itl-ms: each stream's inter-token time is drawn from uniform(itl-ms, itl-ms-max)")
+    p.add_argument("--ttft-ms-per-prompt-token", type=float, default=0.0,
+                   help="prefill time per prompt word, added to --ttft-ms")
+    p.add_argument("--workers", type=int, default=1, help="server processes on the port (SO_REUSEPORT)")
     p.add_argument("--served-by", default="", help="value of the x-lmfleet-served-by header (none if empty)")
     return p.parse_args(argv)
 
 
 async def serve(opts: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Handler(opts), opts.host, opts.port, backlog=4096, reuse_address=True)
+    server = await loop.create_server(lambda: Handler(opts), opts.host, opts.port, backlog=4096, reuse_address=True,
+                                      reuse_port=opts.workers > 1 or None)
     async with server:
         await server.serve_forever()
+
+
+def main(opts: argparse.Namespace) -> None:
+    """Serve; with ``--workers N`` fork N-1 more processes first (they end when this one is terminated)."""
+    children = []
+    for _ in range(opts.workers - 1):
+        pid = os.fork()
+        if pid == 0:
+            random.seed()  # each process its own draws
+            asyncio.run(serve(opts))
+            os._exit(0)
+        children.append(pid)
+    import signal
+
+    def stop(*_: object) -> None:
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        asyncio.run(serve(opts))
+    finally:
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -170,4 +212,4 @@ class FastServer:
 
 
 if __name__ == "__main__":
-    asyncio.run(serve(parse_args()))
+    main(parse_args())
