@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -28,11 +29,13 @@ def test_phases_add_up_per_name_in_first_seen_order():
     assert dict(p.done)["Serve"] == 3.0
 
 
-@pytest.mark.parametrize("level, msg, expected", [
-    (logging.WARNING, "queue full", "lmfleet: warning: queue full"),
-    (logging.ERROR, "engine died\n  File x.py, line 3", "lmfleet: error: engine died"),  # no stack on the terminal
-    (logging.WARNING, "  \n", "lmfleet: warning: "),
+@pytest.mark.parametrize("level, msg, log, expected", [
+    (logging.WARNING, "queue full", Path("s.log"), "lmfleet: warning: queue full"),
+    # no stack on the terminal: the first line, and where the rest is
+    (logging.ERROR, "engine died\n  File x.py, line 3", Path("s.log"), "lmfleet: error: engine died (details in s.log)"),
+    (logging.ERROR, "engine died\n  File x.py, line 3", None, "lmfleet: error: engine died"),
+    (logging.WARNING, "  \n", None, "lmfleet: warning: "),
 ])
-def test_terminal_line_is_one_line(level, msg, expected):
+def test_terminal_line_is_one_line(level, msg, log, expected):
     rec = logging.LogRecord("lmfleet.x", level, __file__, 1, msg, None, None)
-    assert terminal_line(rec) == expected
+    assert terminal_line(rec, log) == expected

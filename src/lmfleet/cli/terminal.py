@@ -32,12 +32,13 @@ def standalone() -> None:
     _STANDALONE = True
 
 
-def terminal_line(record: logging.LogRecord) -> str:
-    """One terminal line for a warning or error that lmfleet logged: its first line, no stack trace (those are in
-    the log file)."""
-    first = record.getMessage().strip().splitlines()[0] if record.getMessage().strip() else ""
+def terminal_line(record: logging.LogRecord, log_path: Path | None = None) -> str:
+    """One terminal line for a warning or error that lmfleet logged: its first line, no stack trace (the rest is
+    in the log file at ``log_path``, which the line names when something was left out)."""
+    lines = record.getMessage().strip().splitlines() or [""]
     level = "error" if record.levelno >= logging.ERROR else "warning"
-    return f"lmfleet: {level}: {first}"
+    more = len(lines) > 1 or record.exc_info is not None
+    return f"lmfleet: {level}: {lines[0]}" + (f" (details in {log_path})" if more and log_path else "")
 
 
 class _TerminalHandler(logging.Handler):
@@ -49,7 +50,7 @@ class _TerminalHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.term.say(terminal_line(record), log=False)  # the file handler logs the whole record
+            self.term.say(terminal_line(record, self.term.log_path), log=False)  # the file handler logs the whole record
         except Exception:  # a closed terminal must not break the command
             self.handleError(record)
 
