@@ -57,15 +57,18 @@ class _TerminalHandler(logging.Handler):
 
 @dataclass
 class Terminal:
-    """Where a command's own lines go (``out``) and where everything else went (``log_path``; None: here)."""
+    """Where a command's own lines go (``out``; errors: ``err``) and where everything else went (``log_path``;
+    None: here)."""
 
     out: TextIO
+    err: TextIO
     log_path: Path | None = None
     started: float = field(default_factory=time.monotonic)
 
     def say(self, line: str, *, log: bool = True) -> None:
-        self.out.write(line + "\n")
-        self.out.flush()
+        stream = self.err if line.startswith("lmfleet: error") else self.out  # errors on stderr, as every command
+        stream.write(line + "\n")
+        stream.flush()
         if log and self.log_path is not None:  # the log file tells the whole story, the user's lines included
             print(line, file=sys.stderr, flush=True)
 
@@ -74,7 +77,7 @@ class Terminal:
         (Triton's nanobind prints "leaked …" lines at interpreter exit) once every stream is flushed; the command
         has already closed what it opened (engines, Ray, the gateway, the ledger)."""
         logging.shutdown()
-        for s in (sys.stdout, sys.stderr, self.out):
+        for s in (sys.stdout, sys.stderr, self.out, self.err):
             try:
                 s.flush()
             except Exception:  # a closed stream has nothing left to flush
@@ -96,24 +99,25 @@ def log_file_path(command: str) -> Path:
 
 def open_terminal(command: str, *, verbose: bool = False) -> Terminal:
     """Set up the command's terminal and logging. Quiet (the default, in a real process): descriptors 1 and 2
-    go to a new log file, lmfleet's own lines and one-line warnings to the terminal."""
+    go to a new log file, lmfleet's own lines and one-line warnings to the terminal (errors to its stderr)."""
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = logging.getLogger()
     if verbose or not _STANDALONE:
         logging.basicConfig(level=logging.INFO, format=fmt._fmt)
         for noisy in ("httpx", "ray", "filelock"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        return Terminal(out=sys.stdout)
+        return Terminal(out=sys.stdout, err=sys.stderr)
     path = log_file_path(command)
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    term_fd = os.dup(1)
+    term_fd, term_err_fd = os.dup(1), os.dup(2)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    term = Terminal(out=os.fdopen(term_fd, "w", buffering=1, encoding="utf-8", errors="replace"), log_path=path)
+    term = Terminal(out=os.fdopen(term_fd, "w", buffering=1, encoding="utf-8", errors="replace"),
+                    err=os.fdopen(term_err_fd, "w", buffering=1, encoding="utf-8", errors="replace"), log_path=path)
     file_handler = logging.StreamHandler(sys.stderr)
     file_handler.setFormatter(fmt)
     root.addHandler(file_handler)
