@@ -126,7 +126,8 @@ def open_terminal(command: str, *, verbose: bool = False) -> Terminal:
     logging.getLogger("lmfleet").addHandler(_TerminalHandler(term))
     def excepthook(kind, value, tb):  # a bug: the trace in the file, one line and where to look here
         sys.__excepthook__(kind, value, tb)
-        term.say(f"lmfleet: error: unexpected {kind.__name__}: {value} (traceback in {path})", log=False)
+        first = str(value).strip().splitlines()[0] if str(value).strip() else ""
+        term.say(f"lmfleet: error: unexpected {kind.__name__}: {first} (traceback in {path})", log=False)
 
     sys.excepthook = excepthook
     term.say(f"lmfleet: this command's log: {path} (--verbose prints it here)")

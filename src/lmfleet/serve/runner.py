@@ -108,8 +108,14 @@ def start_serve(fleet: FleetConfig, *, local_head: bool = True) -> None:
                     "without auth; firewall them (docs/multinode.md)", port)
     if local_head and port_in_use("127.0.0.1", port):
         raise DeployError(f"gateway.serve_port {port} is already in use on 127.0.0.1; choose another port")
-    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
-                controller_options={"runtime_env": {"env_vars": effective_env(serve_env(fleet), os.environ)}})
+    from ray.exceptions import RayError
+
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
+                    controller_options={"runtime_env": {"env_vars": effective_env(serve_env(fleet), os.environ)}})
+    except RayError as e:  # e.g. Serve gave up on its proxy actor on a machine too loaded to start it in time
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DeployError(f"Ray Serve did not start ({type(e).__name__}: {first}); see Ray's serve logs") from None
 
 
 def check_serve_proxy(fleet: FleetConfig, *, local_head: bool) -> None:
