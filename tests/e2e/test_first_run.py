@@ -1,15 +1,27 @@
-"""The README's first request, as a new user sends it (issue 16): no temperature, no max_tokens.
+"""The first run as a new user has it: the README's first request (issue 16) and a quiet terminal (issue 34).
 
-The embedded SmolLM2 answers it through its generation_config.json defaults (greedy). Measured on a bare vLLM
+README_QUESTION has no temperature and no max_tokens. The embedded SmolLM2 answers it through its generation_config.json defaults (greedy). Measured on a bare vLLM
 server with the converted folder and no sampling parameters: "Paris" in 30/30 answers; the bound below (9/10)
 is the issue's, and leaves room for a batch-dependent flip of the first token ("The" p=0.155 vs "L" p=0.14).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import httpx
 import pytest
+import yaml
+
+from lmfleet.config import default_config_text
+from lmfleet.serve.proxy import free_port
+from tests.e2e.conftest import descendants, end_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -37,21 +49,6 @@ TERMINAL_ALLOW: tuple[str, ...] = ()
 def test_serve_terminal_is_quiet_from_start_to_ctrl_c(tmp_path):
     """`lmfleet serve` as a user runs it (the default fleet, no --verbose), one request, Ctrl-C: every line on the
     terminal is lmfleet's own, it says how long start-up took, and it ends with "shutting down…" and "stopped"."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
-    import httpx
-    import yaml
-
-    from lmfleet.config import default_config_text
-    from lmfleet.serve.proxy import free_port
-
-    from tests.e2e.conftest import descendants, end_processes
-
     cfg = yaml.safe_load(default_config_text())
     port, serve_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     cfg["gateway"].update(port=port, serve_port=serve_port)
