@@ -265,6 +265,8 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
         preflight(fleet, host)  # a gateway that could not start must not cost minutes of deploying first
         check_ledger(fleet)
         prepare_serve_proxy(fleet)
+        with phases.step("imports"):  # Ray Serve LLM (and vLLM under it): tens of seconds on a small machine
+            import ray.serve.llm  # noqa: F401
         with phases.step("model"):
             apps = build_model_apps(fleet, progress=progress)
         addr = ray_address(fleet, address)
