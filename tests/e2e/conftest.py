@@ -241,7 +241,9 @@ def fleet(tmp_path_factory) -> Fleet:
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     log_path = work / "serve.log"
     _LOGS.extend([log_path, plog])
-    proc = subprocess.Popen([str(VENV_BIN / "lmfleet"), "serve", "-c", str(config_path)], env=env, cwd=work,
+    # --verbose: the log holds Ray's and the engines' lines too (for failures, and for the checks that no secret leaks)
+    proc = subprocess.Popen([str(VENV_BIN / "lmfleet"), "serve", "-c", str(config_path), "--verbose"], env=env,
+                            cwd=work,
                             stdout=log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     f = Fleet(f"http://127.0.0.1:{port}", ["smollm2", "tiny"], ADMIN_KEY, API_KEY, config_path, log_path, proc,
               proxy.url, f"http://127.0.0.1:{pport}", proxy)

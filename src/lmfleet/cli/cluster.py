@@ -50,9 +50,9 @@ def _ensure_token(path_text: str) -> Path:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-        typer.echo(f"created a new Ray auth token in {path} (mode 0600)", err=True)
+        typer.echo(f"lmfleet: created a new Ray auth token in {path} (mode 0600)", err=True)
     elif path.stat().st_mode & 0o077:
-        typer.echo(f"warning: the Ray auth token {path} is readable by others (mode "
+        typer.echo(f"lmfleet: warning: the Ray auth token {path} is readable by others (mode "
                    f"{path.stat().st_mode & 0o777:04o}); anyone who reads it can join or drive the cluster. "
                    f"Run: chmod 600 {shlex.quote(str(path))}", err=True)
     return path
@@ -77,7 +77,7 @@ def up(
     cfg = load_or_exit(config)
     path, text = _launcher_file(cfg)
     for w in launcher_warnings(cfg.cluster):
-        typer.echo(f"warning: {w}", err=True)
+        typer.echo(f"lmfleet: warning: {w}", err=True)
     if print_only:
         typer.echo(f"# {path}\n{text}")
         typer.echo("# Or by hand, without ray up:")
@@ -87,9 +87,9 @@ def up(
     _ensure_token(cfg.cluster.auth_token_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    typer.echo(f"wrote {path}")
+    typer.echo(f"lmfleet: wrote {path}")
     argv = [_ray_bin(), "up", str(path), *(["-y"] if yes else [])]
-    typer.echo("running: " + shlex.join(argv))
+    typer.echo("lmfleet: running: " + shlex.join(argv))
     raise typer.Exit(subprocess.call(argv))
 
 
@@ -195,7 +195,7 @@ def _gateways() -> list | None:
     try:
         answer = list_gateways()
     except Exception as e:  # the status of nodes and replicas is still worth printing
-        typer.echo(f"warning: cannot read the gateway registry: {e}", err=True)
+        typer.echo(f"lmfleet: warning: cannot read the gateway registry: {e}", err=True)
         return None
     return gateway_rows(answer) if answer is not None else []
 

@@ -65,6 +65,9 @@ _register()
 
 
 def main() -> None:
+    from lmfleet.cli.terminal import standalone
+
+    standalone()
     app(prog_name="lmfleet")
 
 

@@ -73,7 +73,8 @@ class EngineConfig(_Strict):
     enable_chunked_prefill: bool | None = Field(None, description="Chunked prefill. Null: vLLM's default.")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Token budget of one engine step.")
     max_num_seqs: int | None = Field(None, ge=1, description="Sequences in flight per engine (vLLM's batch size).")
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
+    enforce_eager: bool = Field(False, description="Run the model eagerly: no torch.compile and no CUDA graphs (a "
+                                "faster start, usually slower tokens; vLLM --enforce-eager).")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint.")
     cpu_kvcache_space_gib: int | None = Field(
         None, ge=1, description="CPU engines only: KV-cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE)."

@@ -143,6 +143,9 @@ def profiler_config(model: ModelConfig) -> dict[str, Any] | None:
     return {"profiler": "torch", "torch_profiler_dir": d, "torch_profiler_with_stack": False} if d else None
 
 
+LOCAL_FOLDER_INIT = "lmfleet.engine.node_init.LocalFolderInit"
+"""Ray Serve LLM's callback for models that are a local folder (imported by the replica, by name)."""
+
 NO_MEDIA_DOMAINS = ("media-fetching-disabled.invalid",)
 """vLLM's ``allowed_media_domains`` unless engine.extra_args sets it: ``.invalid`` never resolves (RFC 2606)."""
 
@@ -170,6 +173,8 @@ def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     }
     if model.deployment.stream_batching_interval_ms is not None:
         kwargs["experimental_configs"] = {"stream_batching_interval_ms": model.deployment.stream_batching_interval_ms}
+    if Path(model_path).is_dir():  # nothing to download: no per-node download task (lmfleet.engine.node_init)
+        kwargs["callback_config"] = {"callback_class": LOCAL_FOLDER_INIT}
     env = engine_env(model)
     if env:
         kwargs["runtime_env"] = {"env_vars": env}

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 from lmfleet.config.models import FleetConfig
 from lmfleet.serve.apps import DeployError, app_states, wait_until_running
 from lmfleet.serve.processes import ProcessReaper
+from lmfleet.serve.timing import Phases
 
 __all__ = ["DeployError", "app_states", "run_serve", "wait_until_running"]
 
@@ -106,8 +108,14 @@ def start_serve(fleet: FleetConfig, *, local_head: bool = True) -> None:
                     "without auth; firewall them (docs/multinode.md)", port)
     if local_head and port_in_use("127.0.0.1", port):
         raise DeployError(f"gateway.serve_port {port} is already in use on 127.0.0.1; choose another port")
-    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
-                controller_options={"runtime_env": {"env_vars": effective_env(serve_env(fleet), os.environ)}})
+    from ray.exceptions import RayError
+
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
+                    controller_options={"runtime_env": {"env_vars": effective_env(serve_env(fleet), os.environ)}})
+    except RayError as e:  # e.g. Serve gave up on its proxy actor on a machine too loaded to start it in time
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DeployError(f"Ray Serve did not start ({type(e).__name__}: {first}); see Ray's serve logs") from None
 
 
 def check_serve_proxy(fleet: FleetConfig, *, local_head: bool) -> None:
@@ -140,7 +148,7 @@ def deploy(apps: list[Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progress: Callable[[str], None],
                deploy_timeout_s: float, workers: int, config_path: Path | None,
-               procs: list[subprocess.Popen]) -> int:
+               procs: list[subprocess.Popen], phases: Phases) -> int:
     from lmfleet.gateway import build_gateway
     from lmfleet.gateway.routing.health import serve_status_fetcher
     from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
@@ -166,6 +174,7 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
     url = f"http://{host}:{port}"
     progress(f"lmfleet: gateway listening on {url} (not ready until the engines are up; see {url}/ready)")
 
+    engines_from = time.monotonic()
     wait = asyncio.create_task(asyncio.to_thread(
         wait_until_running, {a.name: a.app_name for a in apps}, deploy_timeout_s, progress, stop.is_set))
     stopper = asyncio.create_task(stop.wait())
@@ -177,8 +186,10 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
             progress(f"lmfleet: error: {exc}")
             code = 1
         elif exc is None:
+            phases.add("engines", time.monotonic() - engines_from)
             health.refresh_from(await asyncio.to_thread(serve_status_fetcher()))
             names = ", ".join(a.name for a in apps)
+            progress(phases.line())
             progress(f"lmfleet: ready. OpenAI-compatible API at {url}/v1 serving: {names}")
             progress(f"lmfleet: try  curl {url}/v1/chat/completions -H 'content-type: application/json' "
                      f"-d '{{\"model\": \"{apps[0].name}\", \"messages\": [{{\"role\": \"user\", "
@@ -225,11 +236,13 @@ def _gcs_address() -> str:
 
 def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
               deploy_timeout_s: float = 900.0, progress: Callable[[str], None] = print,
-              workers: int | None = None, config_path: Path | None = None, verbose: bool = False) -> int:
+              workers: int | None = None, config_path: Path | None = None, verbose: bool = False,
+              phases: Phases | None = None) -> int:
     """Run the whole fleet until SIGINT/SIGTERM. Returns the process exit code.
 
     ``workers`` (default ``gateway.workers``): gateway processes on host:port; the extra ones are started after
-    the ready banner (``lmfleet gateway --worker``, re-reading ``config_path``) and stopped before the teardown."""
+    the ready banner (``lmfleet gateway --worker``, re-reading ``config_path``) and stopped before the teardown.
+    ``phases``: where start-up time goes (the ready line names each step)."""
     from lmfleet.engine.app import build_model_apps
     from lmfleet.gateway.front.access import GatewayConfigError
     from lmfleet.overflow.store import StoreUnavailable
@@ -237,6 +250,7 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     from lmfleet.serve.gateway_proc import loop_factory, stop_workers
 
     workers = workers or fleet.gateway.workers
+    phases = phases or Phases()
     config_path = config_path.resolve() if config_path else None  # workers and the hint below: any cwd
     procs: list[subprocess.Popen] = []
     reaper = ProcessReaper()
@@ -251,23 +265,30 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
         preflight(fleet, host)  # a gateway that could not start must not cost minutes of deploying first
         check_ledger(fleet)
         prepare_serve_proxy(fleet)
-        apps = build_model_apps(fleet, progress=progress)
+        with phases.step("imports"):  # Ray Serve LLM (and vLLM under it): tens of seconds on a small machine
+            import ray.serve.llm  # noqa: F401
+        with phases.step("model"):
+            apps = build_model_apps(fleet, progress=progress)
         addr = ray_address(fleet, address)
         progress(f"lmfleet: {'joining Ray cluster at ' + addr if addr else 'starting a local Ray head'}...")
-        started_ray = connect_ray(fleet, addr, verbose=verbose)
+        with phases.step("Ray"):
+            started_ray = connect_ray(fleet, addr, verbose=verbose)
         logs = ray_logs_dir()
         if logs and not verbose:
             progress(f"lmfleet: engine and Ray logs go to {logs} (--verbose shows them here)")
         reaper.snapshot()
+        serve_from = time.monotonic()
         start_serve(fleet, local_head=started_ray)
         progress(f"lmfleet: Ray Serve's HTTP proxy on port {fleet.gateway.serve_port}: "
                  f"{'HAProxy (direct streaming)' if fleet.gateway.serve_proxy == 'haproxy' else 'Serve proxy'}")
         progress(f"lmfleet: deploying {len(apps)} model(s) on Ray Serve: {', '.join(a.name for a in apps)}")
         deploy(apps)
+        phases.add("Serve", time.monotonic() - serve_from)
         check_serve_proxy(fleet, local_head=started_ray)
         reaper.snapshot()
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            code = runner.run(_run(fleet, apps, host, port, progress, deploy_timeout_s, workers, config_path, procs))
+            code = runner.run(_run(fleet, apps, host, port, progress, deploy_timeout_s, workers, config_path, procs,
+                                   phases))
     except KeyboardInterrupt:
         progress("lmfleet: interrupted")
         code = 130
