@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from lmfleet import ray_private
 from lmfleet.config.models import DeploymentConfig, FleetConfig, ModelConfig
 from lmfleet.engine.routing import check_router_available, request_router_config
 from lmfleet.models import resolve_source
@@ -255,21 +256,17 @@ def bind_app(app: ModelApp):
         # starts) minus the LLMRouter peer and the RoundRobinRouter it sets: with HAProxy in front, Serve refuses a
         # request router class on the ingress deployment and HAProxy balances itself
         from ray import serve
-        from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+        from ray.serve.llm import LLMServer, build_llm_deployment
 
-        from lmfleet.engine.replica import FleetLLMServer
-
-        return build_llm_deployment(app.llm_config, name_prefix="LLMServer:",  # Ray's name, not the subclass's
-                                    deployment_cls=serve.ingress()(app.llm_config.server_cls or FleetLLMServer))
+        return build_llm_deployment(app.llm_config, name_prefix="LLMServer:",
+                                    deployment_cls=serve.ingress()(app.llm_config.server_cls or LLMServer))
     return build_openai_app({"llm_configs": [app.llm_config]})
 
 
 def direct_streaming_enabled() -> bool:
     """Whether Ray Serve LLM's builders run in direct-streaming mode in this process (``lmfleet serve`` sets
     ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`` before Ray is imported when ``gateway.serve_proxy`` is haproxy)."""
-    from ray.llm._internal.serve.constants import RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING
-
-    return bool(RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING)
+    return ray_private.llm_direct_streaming_enabled()
 
 
 def skip_ingress_router(model: ModelConfig, direct_streaming: bool | None = None) -> bool:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lmfleet import ray_private
 from lmfleet.config.models import FleetConfig
 from lmfleet.serve.apps import DeployError, app_states, wait_until_running
 from lmfleet.serve.processes import ProcessReaper
@@ -81,10 +82,7 @@ def connect_ray(fleet: FleetConfig, address: str | None, *, verbose: bool = Fals
 def ray_logs_dir() -> str | None:
     """This node's Ray log folder for the connected session (the engines' logs are under it), if known."""
     try:
-        from ray._private import worker
-
-        node = worker._global_node
-        return node.get_logs_dir_path() if node is not None else None
+        return ray_private.ray_logs_dir()
     except Exception:  # a private API: a Ray that moved it costs the hint, nothing else
         return None
 
@@ -92,11 +90,10 @@ def ray_logs_dir() -> str | None:
 def start_serve(fleet: FleetConfig, *, local_head: bool = True) -> None:
     """Start Serve with its proxy (HAProxy or Serve's own, per gateway.serve_proxy) on serve_port of the head."""
     from ray import serve
-    from ray.serve._private import constants
 
     from lmfleet.serve.proxy import effective_env, port_in_use, serve_env, serve_http_host, uses_haproxy
 
-    if constants.RAY_SERVE_ENABLE_HA_PROXY != uses_haproxy(fleet):
+    if ray_private.serve_haproxy_enabled() != uses_haproxy(fleet):
         raise DeployError("Ray Serve was imported before lmfleet set RAY_SERVE_ENABLE_HA_PROXY; "
                           f"gateway.serve_proxy={fleet.gateway.serve_proxy!r} cannot take effect")
     port = fleet.gateway.serve_port
