@@ -123,7 +123,7 @@ def cluster_has_gpus() -> bool:
 
     if ray.is_initialized():
         return ray.cluster_resources().get("GPU", 0) > 0
-    from lmfleet.check.gpu_probe import probe_gpus
+    from lmfleet.cluster.gpu_probe import probe_gpus
 
     return bool(probe_gpus().gpus)  # never raises: no driver / no library answers with no GPUs
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import httpx
 
-from lmfleet.check.cluster import probe_nodes
-from lmfleet.check.gpu_probe import NodeGpus
+from lmfleet import ray_private
+from lmfleet.cluster.gpu_probe import NodeGpus
+from lmfleet.cluster.nodes import probe_nodes
 from lmfleet.cluster.status import (
     ClusterStatus,
     GpuMemory,
@@ -16,7 +17,6 @@ from lmfleet.cluster.status import (
     parse_nodes,
     parse_serve_details,
 )
-from lmfleet import ray_private
 from lmfleet.config.models import FleetConfig
 
 SERVE_CONTROLLER = "SERVE_CONTROLLER_ACTOR"

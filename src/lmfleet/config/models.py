@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lmfleet.config.gpus import gpu_model
 from lmfleet.config.tenants import (
     PriorityClassList,
     TenantConfig,
@@ -671,8 +672,6 @@ class ClusterConfig(_Strict):
     @field_validator("gpu")
     @classmethod
     def _known_gpu(cls, v: str | None) -> str | None:
-        from lmfleet.check.gpus import gpu_model
-
         if v is not None:
             gpu_model(v)  # ValueError names the presets
         return v
