@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from lmfleet.cli.common import load_or_exit
+from lmfleet.cluster.connect import resolve_ray_address
 
 
 def gateway(
@@ -33,8 +34,7 @@ def gateway(
     worker: bool = typer.Option(False, "--worker", hidden=True, help="Started by another gateway process."),
 ) -> None:
     """Serve the fleet's models from this node (no deployments): join the cluster, wait for the models, listen."""
-    from lmfleet.cluster.connect import resolve_ray_address
-    from lmfleet.serve.gateway_proc import run_gateway
+    from lmfleet.serve.gateway_proc import run_gateway  # imports the gateway and Ray (see lmfleet.cli)
 
     fleet = load_or_exit(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -24,7 +24,7 @@ def serve(
                                  help="Also print the engines' and Ray's own log lines here (else: Ray's log folder)."),
 ) -> None:
     """Deploy every model of the fleet on Ray Serve (vLLM engines) and serve the OpenAI-compatible gateway."""
-    from lmfleet.serve.runner import run_serve
+    from lmfleet.serve.runner import run_serve  # imports the gateway and Ray (see lmfleet.cli)
 
     fleet = load_or_exit(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

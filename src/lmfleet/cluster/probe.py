@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from lmfleet import ray_private
+from lmfleet.cluster.connect import connect as join, resolve_ray_address
 from lmfleet.cluster.gpu_probe import NodeGpus
 from lmfleet.cluster.nodes import probe_nodes
 from lmfleet.cluster.status import (
@@ -30,7 +31,6 @@ def connect(address: str | None, fleet: FleetConfig | None = None) -> None:
     """
     import ray
 
-    from lmfleet.cluster.connect import connect as join, resolve_ray_address
 
     if ray.is_initialized():
         return

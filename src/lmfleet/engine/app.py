@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from lmfleet import ray_private
+from lmfleet.cluster.placement import serve_placement
 from lmfleet.config.models import DeploymentConfig, FleetConfig, ModelConfig
 from lmfleet.engine.routing import check_router_available, request_router_config
 from lmfleet.models import resolve_source
+from lmfleet.overflow.cost import local_hourly_cost_usd
+from lmfleet.overflow.estimator import local_capacity
 
 
 def _slug(name: str) -> str:
@@ -80,9 +83,6 @@ def model_max_len(model: ModelConfig, model_path: str) -> int | None:
 def resolve_model(model: ModelConfig, model_path: str, tokenizer_path: str | None = None,
                   llm_config: Any = None) -> ModelApp:
     """The resolved record of one model whose weights are at ``model_path`` (no Ray needed)."""
-    from lmfleet.overflow.cost import local_hourly_cost_usd
-    from lmfleet.overflow.estimator import local_capacity
-
     device = engine_device(model)
     return ModelApp(model, model.name, model_app_name(model.name), model_route_prefix(model.name), model_path,
                     tokenizer_path or model_path, model_max_len(model, model_path), local_capacity(model), device,
@@ -150,8 +150,6 @@ NO_MEDIA_DOMAINS = ("media-fetching-disabled.invalid",)
 
 def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     """Keyword arguments for ``ray.serve.llm.LLMConfig`` (kept as plain data for unit tests)."""
-    from lmfleet.cluster.placement import serve_placement
-
     engine_kwargs = model.engine.vllm_kwargs()
     if model.tokenizer:
         engine_kwargs["tokenizer"] = resolve_source(model.tokenizer)
