@@ -1,4 +1,5 @@
-"""lmfleet's subpackages import each other without cycles, counting every import (function-level ones too).
+"""lmfleet's subpackages import each other without cycles, counting every import (function-level ones too); its
+exceptions share one root.
 
 The graph is read from the source with ``ast``: a node is a subpackage (``lmfleet.gateway``) or a top-level
 module (``lmfleet.errors``), an edge ``a -> b`` means some module of ``a`` imports something of ``b``.
@@ -7,10 +8,14 @@ module (``lmfleet.errors``), an edge ``a -> b`` means some module of ``a`` impor
 from __future__ import annotations
 
 import ast
+import importlib
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 import lmfleet
+from lmfleet.errors import LmfleetError
 
 SRC = Path(lmfleet.__file__).parent
 
@@ -132,3 +137,25 @@ def test_subpackages_have_no_import_cycles():
                 for b in sorted(graph[a] & set(comp)):
                     lines.append(f"    {a} -> {b}: {', '.join(_edge_sources(a, b))}")
         raise AssertionError("import cycles between lmfleet's subpackages:\n" + "\n".join(lines))
+
+
+@pytest.mark.parametrize("path, builtin", [
+    ("lmfleet.bench.workload.BenchInputError", ValueError),
+    ("lmfleet.check.planner.PlanError", ValueError),
+    ("lmfleet.cluster.join.JoinError", ValueError),
+    ("lmfleet.cluster.launcher.LauncherError", ValueError),
+    ("lmfleet.config.loader.ConfigError", None),
+    ("lmfleet.engine.routing.RouterUnavailable", RuntimeError),
+    ("lmfleet.models.smollm2.ModelSourceError", RuntimeError),
+    ("lmfleet.models.tokenizer.TokenizerLoadError", RuntimeError),
+    ("lmfleet.profile.client.ProfileError", None),
+    ("lmfleet.serve.apps.DeployError", RuntimeError),
+    ("lmfleet.serve.proxy.ProxyError", RuntimeError),
+])
+def test_exceptions_derive_from_lmfleet_error(path, builtin):
+    """One root for lmfleet's exceptions; the builtin base stays where callers catch it."""
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, LmfleetError)
+    if builtin is not None:
+        assert issubclass(cls, builtin)

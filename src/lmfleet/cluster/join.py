@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from lmfleet.errors import LmfleetError
+
 DEFAULT_TOKEN_PATH = "~/.ray/auth_token"
 
 
-class JoinError(ValueError):
+class JoinError(LmfleetError, ValueError):
     """The join cannot be set up; the message says how to fix it."""
 
 

@@ -21,6 +21,7 @@ import httpx
 
 from lmfleet.bench.loadgen import LoadPlan, Target, run_load as bench_load
 from lmfleet.bench.workload import BenchRequest
+from lmfleet.errors import LmfleetError
 from lmfleet.profile.anatomy import Anatomy, anatomies, diff, engine_settled, from_json, to_json
 
 __all__ = ["LoadSpec", "ProfileClient", "ProfileError", "ProfileResult", "run_load", "run_profile"]
@@ -29,7 +30,7 @@ SETTLE_S = 20.0
 """How long to wait after the window for Ray to export the engines' figures of its last requests."""
 
 
-class ProfileError(Exception):
+class ProfileError(LmfleetError):
     """A failure with a message for the operator (no traceback)."""
 
 

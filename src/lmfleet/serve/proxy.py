@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from lmfleet.config.models import FleetConfig
 from lmfleet.engine.routing import routing_env
+from lmfleet.errors import LmfleetError
 from lmfleet.serve.processes import end_processes
 
 HAPROXY = "haproxy"
@@ -57,7 +58,7 @@ ALL_INTERFACES = "0.0.0.0"
 LOOPBACK = "127.0.0.1"
 
 
-class ProxyError(RuntimeError):
+class ProxyError(LmfleetError, RuntimeError):
     """HAProxy cannot be used; the message is one line and says how to fall back."""
 
 
