@@ -1,7 +1,7 @@
 """Prove lmfleet check's GPU-facing parts on real GPUs (issue 7): probe, planner bytes, NCCL links.
 
 Needs torch with CUDA, nvidia-ml-py and NCCL; no vLLM, no Ray, no pydantic. Imports only
-``lmfleet.check.planner`` and ``lmfleet.check.gpu_probe`` (pure Python, from ``src/``); uses
+``lmfleet.check.planner`` and ``lmfleet.cluster.gpu_probe`` (pure Python, from ``src/``); uses
 ``transformers`` when present to build the models with Hugging Face's own classes.
 
     python benchmarks/gpu_proof.py --out DIR [--models qwen2.5-0.5b,qwen2.5-7b] [--steps probe,weights,...]
@@ -53,7 +53,8 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lmfleet.check import gpu_probe, planner  # noqa: E402  (pure Python modules, no other lmfleet imports)
+from lmfleet.check import planner
+from lmfleet.cluster import gpu_probe  # noqa: E402  (pure Python modules, no other lmfleet imports)
 
 KNOWN = ROOT / "src" / "lmfleet" / "check" / "known_models"
 MiB, GiB = 1024**2, 1024**3

@@ -5,8 +5,10 @@ engines) with two models, ``smollm2`` (builtin:smollm2) and ``tiny`` (builtin:ti
 overflow provider, ``backup``: a second, bare vLLM OpenAI server (SmolLM2, served as ``smollm2-remote``,
 with a real API key) behind a fault-injecting proxy. Both engines start in parallel.
 
-Engines cost about a minute each to start here, so everything is shared; tests that break things
-(engine death, shutdown) live in modules named to run last.
+Engines cost about a minute each to start here, so everything is shared. The order of the e2e tests is set by
+the ``e2e_order(n)`` marker (:func:`pytest_collection_modifyitems`), not by file names: the multinode tests run
+first (their own cluster must be gone before ``fleet`` starts), the tests that break the shared fleet (engine
+death, then shutdown) last.
 """
 
 from __future__ import annotations
@@ -170,6 +172,22 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float, he
 
 
 _LOGS: list[Path] = []  # the shared fleet's logs, for the failure summary below
+
+
+def e2e_position(item: pytest.Item) -> int:
+    """The test's ``e2e_order(n)`` (0 when unmarked): lower runs earlier; equal ones keep their collected order."""
+    marker = item.get_closest_marker("e2e_order")
+    return int(marker.args[0]) if marker is not None else 0
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Sort the e2e tests by ``e2e_order`` (a stable sort: file and definition order otherwise); other tests keep
+    their places."""
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if here in Path(str(item.path)).parents]
+    ordered = sorted((items[i] for i in slots), key=e2e_position)
+    for i, item in zip(slots, ordered):
+        items[i] = item
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

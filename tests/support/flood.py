@@ -1,6 +1,6 @@
 """A tenant's flood, as its own process: ``workers`` threads send non-streamed completions back to back.
 
-Used by tests/e2e/test_tenants_e2e.py. The flooding tenant is another client, on another machine in any real
+Used by tests/e2e/test_tenants_e2e.py and benchmarks/bench_tenants.py through :class:`Flood`. The flooding tenant is another client, on another machine in any real
 deployment; run in the test's own process its threads would share the GIL (and a 2-core machine's CPU) with the
 client whose latency is being measured, and at niceness 0 they would outrun the fleet's own Ray workers (niceness
 15). So the test starts this script under ``nice -n 19``: it still keeps its tenant's admitted slots busy (its
@@ -17,11 +17,17 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def demote() -> str:
@@ -84,6 +90,70 @@ def main(base_url: str, key: str, model: str, workers: int) -> None:
     for t in threads:
         t.join(150)
     print(json.dumps(out), flush=True)
+
+
+@dataclass
+class Flood:
+    """``workers`` clients sending ``key``'s requests for ``model`` until stopped, in a process of their own under
+    ``nice -n 19`` (module docstring); counts answers over every start/stop and keeps up to 50 refusals
+    (headers, body)."""
+
+    base_url: str
+    key: str
+    model: str
+    workers: int = 12
+    ramp_s: float = 2.0
+    ok: int = 0
+    refused: int = 0
+    other: list = field(default_factory=list)
+    refusals: list[tuple[dict[str, str], dict]] = field(default_factory=list)
+    _proc: subprocess.Popen | None = None
+
+    def start(self) -> "Flood":
+        self._proc = subprocess.Popen(
+            ["nice", "-n", "19", sys.executable, "-m", "tests.support.flood", self.base_url, self.key, self.model,
+             str(self.workers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        assert self._proc.stdout.readline().strip() == "started"
+        time.sleep(self.ramp_s)  # the flood holds its admitted slots and its refused workers back off
+        return self
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        try:
+            out, _ = proc.communicate(timeout=180)  # closes its stdin: it stops, joins and reports
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        res = json.loads(out.strip().splitlines()[-1])
+        self.ok += res["ok"]
+        self.refused += res["refused"]
+        self.other += res["other"]
+        self.refusals += [tuple(x) for x in res["refusals"]][: max(0, 50 - len(self.refusals))]
+
+
+def trickle(c: httpx.Client, model: str, n: int, gap_s: float = 0.25) -> tuple[list[float], list[int]]:
+    """``n`` streamed completions one after another, ``gap_s`` apart: (TTFT of each answered one in seconds,
+    status of each)."""
+    ttfts, statuses = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with c.stream("POST", "/v1/completions", json={"model": model, "prompt": "hello there", "max_tokens": 8,
+                                                       "stream": True}) as r:
+            statuses.append(r.status_code)
+            first = None
+            for line in r.iter_lines():
+                if first is None and line.startswith("data:"):
+                    first = time.perf_counter() - t0
+        if r.status_code == 200 and first is not None:
+            ttfts.append(first)
+        time.sleep(gap_s)
+    return ttfts, statuses
+
+
+def p99(xs: list[float]) -> float:
+    """Linear-interpolated 99th percentile (with a few dozen samples: between the two largest)."""
+    return statistics.quantiles(xs, n=100, method="inclusive")[98]
 
 
 if __name__ == "__main__":

@@ -187,3 +187,15 @@ def make_gateway(tmp_path, local: Handler, providers: dict[str, Handler] | None 
     if not ready:
         app.state.gateway.health.mark_failed("m", "engine is dead")
     return app
+
+
+STARTED_GATEWAYS: list[FastAPI] = []
+"""Gateways :func:`started_client` started; the ``close_started_gateways`` fixture (tests/unit/conftest.py) closes
+them after each test."""
+
+
+async def started_client(app: FastAPI, base_url: str = "http://gw") -> httpx.AsyncClient:
+    """Start ``app``'s gateway (what its lifespan does: ``ASGITransport`` runs none) and give a client on it."""
+    app.state.gateway.start()
+    STARTED_GATEWAYS.append(app)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base_url)

@@ -56,9 +56,9 @@ def test_default_router_under_direct_streaming_has_no_router_peer(monkeypatch):
     assert app._ingress_request_router is None
     d = app._bound_deployment
     assert d.name.startswith("LLMServer:")
-    from lmfleet.engine.replica import FleetLLMServer
+    from ray.serve.llm import LLMServer
 
-    assert issubclass(d.func_or_class, FleetLLMServer)  # lmfleet's replica class (its CPU priority step)
+    assert issubclass(d.func_or_class, LLMServer)  # Ray's replica class, as its own builders deploy it
     # Serve refuses a request router class on an ingress deployment behind HAProxy: none is set
     rr = d._deployment_config.request_router_config
     assert rr.request_router_class.endswith("PowerOfTwoChoicesRequestRouter")

@@ -15,8 +15,7 @@ from lmfleet.overflow.ledger import (
     served_by_local,
     served_by_provider,
 )
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from tests.support.pg_shared import fresh_database
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,15 +27,6 @@ ROWS = [
     (400.0, "provider/acme", 2000, 0, 0.0003, "beta"),
     (500.0, "provider/beta", 5, 1_000_000, 0.6, None),
 ]
-
-
-@pytest.fixture(scope="session")
-def pg_server():
-    pytest.importorskip("psycopg", reason="the PostgreSQL client is missing: pip install -e '.[test]'")
-    try:
-        return shared_pg_server()
-    except PgUnavailable as e:
-        pytest.skip(f"PostgreSQL server cannot be started here: {e}")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

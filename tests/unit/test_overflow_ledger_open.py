@@ -21,7 +21,7 @@ from lmfleet.overflow.store.postgres import MIGRATIONS as PG_MIGRATIONS
 from lmfleet.overflow.store.sqlite import MIGRATIONS as SQLITE_MIGRATIONS
 from lmfleet.overflow.store.postgres import PostgresSpendStore
 from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from tests.support.pg_shared import fresh_database
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,15 +45,6 @@ CREATE TABLE spend_buckets (key TEXT NOT NULL, bucket_end INTEGER NOT NULL, nusd
     PRIMARY KEY (key, bucket_end));
 """
 ROW = UsageRecord("m", "local/m", "local_ok", 3, 4, "ok", tenant="acme")
-
-
-@pytest.fixture(scope="session")
-def pg_server():
-    pytest.importorskip("psycopg", reason="the PostgreSQL client is missing: pip install -e '.[test]'")
-    try:
-        return shared_pg_server()
-    except PgUnavailable as e:
-        pytest.skip(f"PostgreSQL server cannot be started here: {e}")
 
 
 def _columns(path) -> list[str]:

@@ -18,8 +18,7 @@ from lmfleet.overflow.store import PostgresSpendStore, SqliteSpendStore, StoreUn
 from lmfleet.overflow.store._rate import TenantCounts
 from lmfleet.tenants import Outcome, Reason, TenantBook, TenantDirectory
 from lmfleet.tenants.shared import SharedLimits
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from tests.support.pg_shared import fresh_database
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,15 +26,6 @@ CLASSES = default_priority_classes()
 INTERACTIVE, BATCH = CLASSES
 T0 = 1_800_000_000.0  # a multiple of 60
 KEY = "tenant:a:rate"
-
-
-@pytest.fixture(scope="session")
-def pg_server():
-    pytest.importorskip("psycopg", reason="the PostgreSQL client is missing: pip install -e '.[test]'")
-    try:
-        return shared_pg_server()
-    except PgUnavailable as e:
-        pytest.skip(f"PostgreSQL server cannot be started here: {e}")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

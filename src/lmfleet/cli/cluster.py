@@ -17,9 +17,19 @@ import typer
 import yaml
 
 from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
-from lmfleet.cluster.join import JoinError, JoinSpec, auth_env, normalize_head_address, parse_labels, ray_start_argv
+from lmfleet.cluster.join import (
+    JoinError,
+    JoinSpec,
+    auth_env,
+    normalize_head_address,
+    parse_labels,
+    present_ray_token,
+    ray_start_argv,
+)
 from lmfleet.cluster.launcher import LauncherError, launcher_config, launcher_warnings, manual_commands
 from lmfleet.cluster.placement import nodes_from_cluster, plan_placement
+from lmfleet.cluster.probe import collect_status
+from lmfleet.cluster.status import render_status
 from lmfleet.config.models import FleetConfig
 
 app = typer.Typer(help="Start, join and inspect the Ray cluster the fleet runs on.", no_args_is_help=True)
@@ -158,9 +168,6 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Nodes (alive/dead, CPUs, GPUs and free memory, labels), replicas and where they run, per-model load."""
-    from lmfleet.cluster.probe import collect_status
-    from lmfleet.serve.gateway_proc import present_ray_token
-
     cfg = load_or_exit(config) if config else None
     present_ray_token()  # a head started by `lmfleet serve` (ray.init) requires the token too
     gateway_url = gateway
@@ -180,8 +187,6 @@ def status(
             out["gateways"] = [{**asdict(r), "workers": r.workers} for r in rows]
         typer.echo(json.dumps(out, indent=2))
     else:
-        from lmfleet.cluster.status import render_status
-
         typer.echo(render_status(st), nl=False)
         if rows is not None:
             typer.echo(render_gateways(rows), nl=False)
@@ -190,7 +195,7 @@ def status(
 
 def _gateways() -> list | None:
     """Every gateway of the cluster's fleets, from their registry (lmfleet.gateway.routing.peers); None if unknown."""
-    from lmfleet.gateway.routing.peers import gateway_rows, list_gateways
+    from lmfleet.gateway.routing.peers import gateway_rows, list_gateways  # imports Ray (see lmfleet.cli)
 
     try:
         answer = list_gateways()

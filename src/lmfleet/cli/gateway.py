@@ -13,6 +13,8 @@ from typing import Optional
 import typer
 
 from lmfleet.cli.common import load_or_exit
+from lmfleet.cli.terminal import open_terminal
+from lmfleet.cluster.connect import resolve_ray_address
 
 
 def gateway(
@@ -34,9 +36,7 @@ def gateway(
                                  "here (else: the log file this command names)."),
 ) -> None:
     """Serve the fleet's models from this node (no deployments): join the cluster, wait for the models, listen."""
-    from lmfleet.cli.terminal import open_terminal
-    from lmfleet.cluster.connect import resolve_ray_address
-    from lmfleet.serve.gateway_proc import run_gateway
+    from lmfleet.serve.gateway_proc import run_gateway  # imports the gateway and Ray (see lmfleet.cli)
 
     fleet = load_or_exit(config)
     # a worker writes where the process that started it writes (that one's terminal or log file)

@@ -8,6 +8,8 @@ from typing import Optional
 import typer
 
 from lmfleet.cli.common import load_or_exit
+from lmfleet.cli.terminal import open_terminal
+from lmfleet.serve.timing import Phases
 
 
 def serve(
@@ -23,9 +25,7 @@ def serve(
                                  help="Also print the engines' and Ray's own log lines here (else: Ray's log folder)."),
 ) -> None:
     """Deploy every model of the fleet on Ray Serve (vLLM engines) and serve the OpenAI-compatible gateway."""
-    from lmfleet.cli.terminal import open_terminal
-    from lmfleet.serve.runner import run_serve
-    from lmfleet.serve.timing import Phases
+    from lmfleet.serve.runner import run_serve  # imports the gateway and Ray (see lmfleet.cli)
 
     phases = Phases()
     fleet = load_or_exit(config)

@@ -25,6 +25,9 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 from lmfleet.config.models import FleetConfig
+from lmfleet.engine.routing import routing_env
+from lmfleet.errors import LmfleetError
+from lmfleet.serve.processes import end_processes
 
 HAPROXY = "haproxy"
 SERVE = "serve"
@@ -55,7 +58,7 @@ ALL_INTERFACES = "0.0.0.0"
 LOOPBACK = "127.0.0.1"
 
 
-class ProxyError(RuntimeError):
+class ProxyError(LmfleetError, RuntimeError):
     """HAProxy cannot be used; the message is one line and says how to fall back."""
 
 
@@ -82,8 +85,6 @@ def serve_env(fleet: FleetConfig, ports: HaproxyPorts | None = None) -> dict[str
         env[THROUGHPUT_OPTIMIZED] = "1"
         if ports is not None:
             env |= {STATS_PORT: str(ports.stats), METRICS_PORT: str(ports.metrics), FALLBACK_PORT: str(ports.fallback)}
-        from lmfleet.engine.routing import routing_env
-
         env |= routing_env(fleet)  # routers that read the prompt need HAProxy to forward request bodies
     return env
 
@@ -277,8 +278,6 @@ def node_haproxies(node_id: str) -> list:
 
 def end_node_haproxies(node_id: str, grace_s: float = 5.0) -> int:
     """End (by pid) every HAProxy that Serve started for ``node_id``; returns how many were alive."""
-    from lmfleet.serve.processes import end_processes
-
     return end_processes(node_haproxies(node_id), grace_s)
 
 

@@ -1,5 +1,5 @@
 """Ctrl-C on `lmfleet serve` stops everything it started: Ray, Serve replicas, vLLM engines, the gateway.
-Runs last: it stops the shared fleet."""
+Runs last (``e2e_order(2)``): it stops the shared fleet."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from tests.e2e.conftest import alive, descendants, haproxies, haproxies_of, haproxy_node_dirs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.e2e_order(2)]
 
 
 def test_ctrl_c_leaves_no_process_behind(fleet):

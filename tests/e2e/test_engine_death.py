@@ -1,5 +1,5 @@
 """An engine that dies: its model answers 503 with a clear message and /ready turns false, while the
-other models keep serving. Runs late: it breaks the shared fleet's `tiny` model (Serve restarts it)."""
+other models keep serving. Runs after the other fleet tests (``e2e_order(1)``): it breaks the shared fleet's `tiny` model (Serve restarts it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import openai
 import psutil
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.e2e_order(1)]
 
 
 def _engine_of(fleet, model: str) -> psutil.Process:

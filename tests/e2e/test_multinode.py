@@ -7,8 +7,8 @@
     w2   10.77.0.3  same
     w3   10.77.0.4  joins after w1 is killed
 
-The tests run in file order and share the cluster (engines are expensive on 2 cores). The file is
-named to run first among the e2e tests, so its engines are gone before the shared `fleet` starts.
+The tests run in file order and share the cluster (engines are expensive on 2 cores). They run before the other
+e2e tests (``e2e_order(-1)``), so that their engines are gone before the shared `fleet` starts.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:  # tests/ is not a package; make tests.support imp
 
 from tests.support.netns import Host, NetnsLab, can_run  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.e2e_order(-1)]
 
 BIN = Path(sys.executable).parent
 RAY_PORT = 6379

@@ -1,5 +1,6 @@
-"""GPU models the checks know by name (``--gpu``, ``cluster.gpu``): memory and bandwidth. No imports from config,
-so the config models can validate ``cluster.gpu`` with :func:`gpu_model`."""
+"""GPU models lmfleet knows by name (``cluster.gpu``, ``lmfleet check --gpu``): memory and bandwidth.
+
+The config models validate ``cluster.gpu`` with :func:`gpu_model`; the checks plan memory and speed with them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What GPUs this machine has and which are free, from NVML. Standalone: no Ray, no lmfleet imports.
 
-Run it directly on a GPU node (``python -m lmfleet.check.gpu_probe`` or by path) to print JSON, or
+Run it directly on a GPU node (``python -m lmfleet.cluster.gpu_probe`` or by path) to print JSON, or
 call :func:`probe_gpus`. The NVML module is injectable: :func:`record_nvml` writes a machine's raw
 answers, and the tests replay such recordings (tests/support/nvml_replay.py).
 
