@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from lmfleet.cli.main import app
 from lmfleet.cli.usage import parse_since
 from lmfleet.config.models import LedgerConfig
-from lmfleet.overflow.ledger import Ledger, open_ledger
+from lmfleet.store import Ledger, open_ledger
 from tests.support.pg_server import PgUnavailable
 from tests.support.pg_shared import fresh_database, shared_pg_server
 

@@ -35,8 +35,7 @@ from lmfleet.gateway.run import DisconnectWatch, RelayResponse, RequestRun
 from lmfleet.gateway.service import Gateway
 from lmfleet.gateway.tracing import RequestTracer
 from lmfleet.gateway.validation import Kind, check_content_parts, check_prompt_count, check_size, validate_request
-from lmfleet.overflow.ledger.sqlite import Ledger
-from lmfleet.overflow.store import SqliteSpendStore, StoreUnavailable
+from lmfleet.store import Ledger, SqliteSpendStore, StoreUnavailable
 from lmfleet.tenants import (
     PRIORITY_HEADER,
     PriorityHeaderError,

@@ -17,8 +17,8 @@ from lmfleet.gateway.errors import GatewayError
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import OverflowMode
 from lmfleet.overflow.engine_stats import ReplicaStats, imbalance
-from lmfleet.overflow.ledger import Grouping
-from lmfleet.overflow.store import StoreUnavailable
+from lmfleet.store import Grouping
+from lmfleet.store import StoreUnavailable
 
 log = logging.getLogger("lmfleet.gateway")
 

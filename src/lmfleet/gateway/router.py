@@ -33,7 +33,6 @@ from lmfleet.gateway.validation import ParsedRequest, check_context
 from lmfleet.overflow import (
     BudgetStatus,
     HysteresisState,
-    Ledger,
     OverflowMode,
     ProviderCandidate,
     QueueSignals,
@@ -44,7 +43,7 @@ from lmfleet.overflow import (
     estimate_wait_ms,
 )
 from lmfleet.overflow.budget import DAY_S
-from lmfleet.overflow.store import Cap, StoreUnavailable, caps_for_budget, tenant_key
+from lmfleet.store import Cap, Ledger, StoreUnavailable, caps_for_budget, tenant_key
 from lmfleet.tenants import PRIORITY_HEADER, Outcome, Tenant, TenantBook, Ticket
 from lmfleet.tenants.queue import DispatchQueue
 from lmfleet.tenants import Reason as AdmissionReason

@@ -32,9 +32,9 @@ from lmfleet.gateway.metrics import GatewayMetrics
 from lmfleet.gateway.router import Plan, PromptSize, ServedModel
 from lmfleet.gateway.upstream import STREAM_ERRORS, Endpoint, OpenStream, complete, open_stream
 from lmfleet.gateway.validation import ParsedRequest
-from lmfleet.overflow import Ledger, Reason
+from lmfleet.overflow import Reason
 from lmfleet.overflow.money import usd_to_nusd
-from lmfleet.overflow.store import SpendStore, StoreUnavailable, UsageRecord
+from lmfleet.store import Ledger, SpendStore, StoreUnavailable, UsageRecord
 from lmfleet.gateway.tracing import RequestTracer
 from lmfleet.tenants.queue import QueueFull
 

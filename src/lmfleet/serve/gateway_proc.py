@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lmfleet.config.models import FleetConfig
+from lmfleet.store import StoreUnavailable
 
 log = logging.getLogger("lmfleet.serve")
 
@@ -296,7 +297,6 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
     from lmfleet.engine.app import gateway_model_apps
     from lmfleet.gateway.access import GatewayConfigError
     from lmfleet.gateway.build import check_ledger, preflight
-    from lmfleet.overflow.store import StoreUnavailable
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     procs: list[subprocess.Popen] = []

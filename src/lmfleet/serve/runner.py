@@ -29,6 +29,7 @@ from typing import Any
 from lmfleet.config.models import FleetConfig
 from lmfleet.serve.apps import DeployError, app_states, wait_until_running
 from lmfleet.serve.processes import ProcessReaper
+from lmfleet.store import StoreUnavailable
 
 __all__ = ["DeployError", "app_states", "run_serve", "wait_until_running"]
 
@@ -232,7 +233,6 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     the ready banner (``lmfleet gateway --worker``, re-reading ``config_path``) and stopped before the teardown."""
     from lmfleet.engine.app import build_model_apps
     from lmfleet.gateway.access import GatewayConfigError
-    from lmfleet.overflow.store import StoreUnavailable
 
     from lmfleet.serve.gateway_proc import loop_factory, stop_workers
 
