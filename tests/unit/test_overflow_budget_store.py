@@ -13,7 +13,6 @@ import pytest
 from pydantic import ValidationError
 
 from lmfleet.config.models import BudgetConfig, LedgerConfig, ProviderPrice
-from lmfleet.overflow.budget import retry_after_s
 from lmfleet.store import sqlite as store_sqlite
 from lmfleet.store import (
     GLOBAL,
@@ -92,22 +91,6 @@ D = Cap(GLOBAL, DAY, 1500)
 )
 def test_caps_exceeded(amount, spent, expected):
     assert caps_exceeded(amount, [H, D], spent) == expected
-
-
-@pytest.mark.parametrize(
-    "events, held, amount, expected",
-    [
-        ([], 0, 100, 0.0),  # fits now
-        ([(T0 - 3000, 600), (T0 - 1000, 400)], 0, 100, 600.0),  # first bucket leaves at T0+600: 400+100 fits
-        ([(T0 - 3000, 600), (T0 - 1000, 400)], 0, 700, 2600.0),  # both must leave
-        ([(T0 - 3000, 600)], 950, 100, HOUR),  # held reservations alone block it: the whole window
-        ([], 0, 1001, HOUR),  # over the cap by itself: never within the window
-        ([(T0 - 4000, 900), (T0 - 10, 500)], 0, 500, 0.0),  # outside the window: ignored
-    ],
-)
-def test_retry_after(events, held, amount, expected):
-    assert retry_after_s(events, held_nusd=held, amount_nusd=amount, cap_nusd=H.cap_nusd, window_s=H.window_s,
-                         now=T0) == expected
 
 
 def test_caps_for_budget_and_reasons():

@@ -5,7 +5,7 @@ Tables::
     requests          the ledger: one row per request (who served it, for which tenant, tokens, latency, cost)
     reservations      (id, key) -> request_id, amount_nusd, created_at, expires_at: worst-case spend held per cap key
     spend_buckets     (key, bucket_end) -> nusd: settled spend per cap key in ``bucket_s`` buckets
-    budget_keys       one row per lock key (PostgreSQL locks it with ``FOR UPDATE``; SQLite locks the whole file)
+    budget_keys       one row per lock key, PostgreSQL only (locked with ``FOR UPDATE``; SQLite locks the whole file)
     tenant_slots      (id) -> key, expires_at: one row per tenant request in flight
     rate_windows      (key, window_start) -> n: tenants' fixed rate windows (requests, tokens)
     tenant_overrides  (name) -> settings, version, updated_at: tenant settings set through the admin API
@@ -50,6 +50,8 @@ class Table:
     """Composite or text primary key (an ``id`` column is its own)."""
     indexes: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """(index name, columns)."""
+    dialects: tuple[Dialect, ...] = ("sqlite", "postgresql")
+    """The databases that keep it."""
 
     def column(self, name: str) -> Column:
         return next(c for c in self.columns if c.name == name)
@@ -85,7 +87,7 @@ SPEND_BUCKETS = Table("spend_buckets", (
     Column("nusd", "int"),
 ), primary_key=("key", "bucket_end"))
 
-BUDGET_KEYS = Table("budget_keys", (Column("key", "text"),), primary_key=("key",))
+BUDGET_KEYS = Table("budget_keys", (Column("key", "text"),), primary_key=("key",), dialects=("postgresql",))
 
 TENANT_SLOTS = Table("tenant_slots", (
     Column("id", "text"),
@@ -111,7 +113,9 @@ TABLES: tuple[Table, ...] = (REQUESTS, RESERVATIONS, SPEND_BUCKETS, BUDGET_KEYS,
 
 
 def create_table_sql(table: Table, dialect: Dialect) -> list[str]:
-    """``CREATE TABLE IF NOT EXISTS`` and its indexes, in ``dialect``."""
+    """``CREATE TABLE IF NOT EXISTS`` and its indexes, in ``dialect`` (nothing for a table the dialect does not keep)."""
+    if dialect not in table.dialects:
+        return []
     types = TYPES[dialect]
     cols = [f"{c.name} {types[c.type]}" + ("" if c.nullable or c.type == "id" else " NOT NULL") for c in table.columns]
     if table.primary_key:
