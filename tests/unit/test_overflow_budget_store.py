@@ -10,8 +10,10 @@ import threading
 import time
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
+from lmfleet.config import ConfigError, load_config
 from lmfleet.config.models import BudgetConfig, LedgerConfig, ProviderPrice
 from lmfleet.store import sqlite as store_sqlite
 from lmfleet.store import (
@@ -465,10 +467,6 @@ def test_ledger_url_validation(url, match):
 
 
 def test_ledger_url_error_names_the_key(tmp_path):
-    from lmfleet.config import ConfigError, load_config
-
-    import yaml
-
     fleet = load_config(None).model_dump(mode="json", exclude_none=True)
     fleet["ledger"] = {"url": "mysql://x@db/y"}
     path = tmp_path / "fleet.yaml"
