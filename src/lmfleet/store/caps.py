@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from lmfleet.config.models import BudgetConfig, ProviderPrice
+from lmfleet.config.models import ProviderPrice
 from lmfleet.overflow.budget import DAY_S, HOUR_S
 from lmfleet.overflow.money import usd_to_nusd
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -81,9 +80,6 @@ class PgDatabase:
         self._slots = threading.BoundedSemaphore(pool_size)
         self._closed = False
         self.migrate()
-
-    def describe(self) -> str:
-        return redact_url(self.url)
 
     def close(self) -> None:
         with self._idle_lock:

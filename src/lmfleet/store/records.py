@@ -2,8 +2,9 @@
 
 Exceptions::
 
-    SpendStoreError            anything the store cannot do
-     └── StoreUnavailable      the database cannot be read or written (down, locked, full, unreachable):
+    LmfleetError
+     └── SpendStoreError       anything the store cannot do
+          └── StoreUnavailable the database cannot be read or written (down, locked, full, unreachable):
                                reservations fail closed; the gateway closes the provider route
                                (keeps the request local or answers 429). Recoverable: a later call retries.
 """
@@ -46,10 +47,6 @@ class Database(Protocol):
 
     def statement(self, sql: str, params: Sequence[Any], read: Callable[[Any], T], *, retry_stale: bool) -> T:
         """One statement on its own (autocommit), ``read(cursor)`` its result."""
-        ...
-
-    def describe(self) -> str:
-        """Where it lives, for messages (no password)."""
         ...
 
     def close(self) -> None: ...

@@ -71,9 +71,6 @@ class SqliteDatabase:
         with self.transaction(("schema",)) as q:
             migrate(q, "sqlite")
 
-    def describe(self) -> str:
-        return str(self.path)
-
     def unavailable(self, e: BaseException) -> StoreUnavailable:
         return StoreUnavailable(f"ledger database {self.path}: {e}")
 
