@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmfleet.overflow.store import (  # noqa: E402
+from lmfleet.store import (  # noqa: E402
     GLOBAL,
     Cap,
     PostgresSpendStore,

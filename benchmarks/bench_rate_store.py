@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO))
 
 from lmfleet.config.tenants import TenantConfig, TenantLimits, default_priority_classes  # noqa: E402
-from lmfleet.overflow.store import Cap, PostgresSpendStore, SqliteSpendStore  # noqa: E402
+from lmfleet.store import Cap, PostgresSpendStore, SqliteSpendStore  # noqa: E402
 from lmfleet.tenants import TenantBook, TenantDirectory  # noqa: E402
 from lmfleet.tenants.shared import SharedLimits  # noqa: E402
 

@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 from lmfleet.cli.main import app
 from lmfleet.cli.usage import parse_since
 from lmfleet.config.models import LedgerConfig
-from lmfleet.overflow.ledger import Ledger, open_ledger
-from tests.support.pg_shared import fresh_database
+from lmfleet.store import Ledger, open_ledger
+from tests.support.pg_server import PgUnavailable
+from tests.support.pg_shared import fresh_database, shared_pg_server
 
 NOW = 1_800_000_000.0
 ISO = datetime(2027, 1, 15, 8, 0, tzinfo=timezone.utc).timestamp()

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from lmfleet.config.tenants import TenantConfig, TenantSettings, default_priority_classes
-from lmfleet.overflow.store import PostgresSpendStore, SqliteSpendStore
+from lmfleet.store import PostgresSpendStore, SqliteSpendStore
 from lmfleet.tenants import Tenant, TenantBook, TenantDirectory
 from lmfleet.tenants.admin import TenantSettingsError, parse_update
 from tests.support.pg_shared import fresh_database

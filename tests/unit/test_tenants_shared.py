@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from lmfleet.config.tenants import TenantConfig, TenantLimits, default_priority_classes
-from lmfleet.overflow.store import PostgresSpendStore, SqliteSpendStore, StoreUnavailable
-from lmfleet.overflow.store._rate import TenantCounts
+from lmfleet.store import PostgresSpendStore, SqliteSpendStore, StoreUnavailable
+from lmfleet.store import TenantCounts
 from lmfleet.tenants import Outcome, Reason, TenantBook, TenantDirectory
 from lmfleet.tenants.shared import SharedLimits
 from tests.support.pg_shared import fresh_database

@@ -36,17 +36,18 @@ from lmfleet.gateway.observe.loopwatch import LoopWatch
 from lmfleet.gateway.routing.tokens import load_tokenizer_or_none
 from lmfleet.gateway.observe.tracing import request_tracer
 from lmfleet.gateway.relay.upstream import HttpPool
-from lmfleet.overflow.store import (
+from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, providers_for
+from lmfleet.store import (
     Cap,
     SpendStore,
     SpendStoreError,
+    SqlLedger,
     StoreUnavailable,
     caps_for_budget,
+    open_ledger,
     open_spend_store,
 )
-from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, providers_for
-from lmfleet.overflow.ledger import SqlLedger, open_ledger
-from lmfleet.overflow.ledger import describe as describe_ledger
+from lmfleet.store import describe as describe_ledger
 from lmfleet.overflow.estimator import local_capacity
 from lmfleet.tenants import TenantBook, TenantDirectory, TenantKeyError
 from lmfleet.tenants.queue import DispatchQueue

@@ -35,7 +35,7 @@ from lmfleet.gateway.routing.health import serve_status_fetcher
 from lmfleet.gateway.routing.peers import PeerBoard, list_gateways, node_address
 from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
 from lmfleet.gateway.front.server import uvicorn_options
-from lmfleet.overflow.store import StoreUnavailable
+from lmfleet.store import StoreUnavailable
 from lmfleet.serve.apps import DeployError, wait_until_running
 
 log = logging.getLogger("lmfleet.serve")

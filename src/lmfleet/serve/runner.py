@@ -36,7 +36,7 @@ from lmfleet.gateway.front.access import GatewayConfigError
 from lmfleet.gateway.build import check_ledger, preflight
 from lmfleet.gateway.routing.health import serve_status_fetcher
 from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
-from lmfleet.overflow.store import StoreUnavailable
+from lmfleet.store import StoreUnavailable
 from lmfleet.serve.apps import DeployError, app_states, wait_until_running
 from lmfleet.serve.gateway_proc import (
     GatewayServer,

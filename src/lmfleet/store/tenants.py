@@ -1,12 +1,19 @@
-"""Tenant rate and concurrency counters in the spend store's database, shared by every gateway process and node.
+"""Tenants' state in the store's database, shared by every gateway process and node: their rate and concurrency
+counters, and their settings changed at run time (``PUT /admin/tenants/NAME``).
 
-Tables (migration 3 of both backends)::
+Tables (``lmfleet.store.schema``)::
 
     tenant_slots   (id) -> key, expires_at
                    one row per request in flight; counts while expires_at > now, so the slots of a gateway that
                    died expire after ``slot_ttl_s`` (the longest a request may live) instead of leaking
     rate_windows   (key, window_start) -> n
                    the two fixed windows of ``lmfleet.tenants.RateWindow`` per key (``KEY:requests``, ``KEY:tokens``)
+    tenant_overrides  (name) -> settings, version, updated_at
+                   settings: the tenant's effective settings as JSON (``TenantSettings``), NULL: back to
+                   fleet.yaml; version: one counter across the table, so every gateway process (and node, with
+                   PostgreSQL) notices a change by reading ``MAX(version)``, one indexed row, every few seconds.
+                   The database, not a file: it is what every process and node already shares, it survives
+                   restarts, and writes are transactions. No key is stored here: limits, models and classes only.
 
 An admission is one transaction under the tenant's lock (SQLite: ``BEGIN IMMEDIATE``; PostgreSQL: the
 ``budget_keys`` row ``KEY:limits``, as ``reserve`` locks its caps): read the slots in flight and both windows in
@@ -25,30 +32,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["MIGRATION", "TenantCounters", "TenantCounts"]
+__all__ = ["TenantCounters", "TenantCounts", "TenantOverride", "TenantOverrides", "window_bounds"]
 
 T = TypeVar("T")
 
 PURGE_EVERY_S = 60.0
 WINDOWS_KEPT_S = 3600.0
 """Windows older than this are deleted (a window of up to half an hour is still read whole)."""
-
-MIGRATION = """
-CREATE TABLE IF NOT EXISTS tenant_slots (
-    id         TEXT PRIMARY KEY,
-    key        TEXT NOT NULL,
-    expires_at {real} NOT NULL
-);
-CREATE INDEX IF NOT EXISTS tenant_slots_key ON tenant_slots (key, expires_at);
-CREATE TABLE IF NOT EXISTS rate_windows (
-    key          TEXT NOT NULL,
-    window_start {real} NOT NULL,
-    n            {real} NOT NULL,
-    PRIMARY KEY (key, window_start)
-)
-"""
-"""Both backends' DDL; ``{real}`` is the backend's double (SQLite ``REAL``, PostgreSQL ``DOUBLE PRECISION``)."""
-
 
 @dataclass(frozen=True)
 class TenantCounts:
@@ -129,3 +119,45 @@ class TenantCounters:
 def _add(q: Callable[..., Any], key: str, window_start: float, n: float) -> None:
     q("INSERT INTO rate_windows (key, window_start, n) VALUES (?,?,?)"
       " ON CONFLICT (key, window_start) DO UPDATE SET n = rate_windows.n + excluded.n", (key, window_start, n))
+
+
+_LOCK_KEY = "tenant-overrides"
+
+
+@dataclass(frozen=True)
+class TenantOverride:
+    """One row: a tenant's settings as set through the admin API (None: reverted to fleet.yaml)."""
+
+    name: str
+    settings: str | None
+    version: int
+    updated_at: float
+
+
+class TenantOverrides:
+    """Mixin of ``SqlSpendStore``: tenant settings set at run time (see the module docstring)."""
+
+    _transaction: Callable[[Sequence[str]], AbstractContextManager[Any]]
+    _clock: Callable[[], float]
+
+    def put_tenant_override(self, name: str, settings: str | None) -> TenantOverride:
+        """Store ``name``'s settings (JSON; None: back to fleet.yaml) under the next version. Raises
+        ``StoreUnavailable`` when the database cannot be used."""
+        with self._transaction((_LOCK_KEY,)) as q:
+            version = int(q("SELECT COALESCE(MAX(version), 0) FROM tenant_overrides").fetchone()[0]) + 1
+            now = self._clock()
+            q("INSERT INTO tenant_overrides (name, settings, version, updated_at) VALUES (?,?,?,?)"
+              " ON CONFLICT (name) DO UPDATE SET settings = excluded.settings, version = excluded.version,"
+              " updated_at = excluded.updated_at", (name, settings, version, now))
+            return TenantOverride(name, settings, version, now)
+
+    def tenant_overrides_version(self) -> int:
+        """The latest version (0: none ever set): what a gateway process polls."""
+        with self._transaction(()) as q:
+            return int(q("SELECT COALESCE(MAX(version), 0) FROM tenant_overrides").fetchone()[0])
+
+    def tenant_overrides(self) -> list[TenantOverride]:
+        """Every row, oldest version first."""
+        with self._transaction(()) as q:
+            rows = q("SELECT name, settings, version, updated_at FROM tenant_overrides ORDER BY version").fetchall()
+        return [TenantOverride(str(r[0]), r[1], int(r[2]), float(r[3])) for r in rows]

@@ -1,19 +1,32 @@
-"""The ledger's reads and writes, shared by the SQLite and PostgreSQL backends (``?`` placeholders).
+"""The ledger of every request: who served it, for which tenant, how many tokens, how long, what it cost.
 
-A backend provides ``_fetch`` (one statement -> column names and rows), ``_insert`` (one row -> its id)
-and ``_BUCKET`` (the SQL that turns ``ts`` into a bucket number for ``spend_events``).
+``SqlLedger`` reads and writes the ``requests`` table of one database (``SqliteDatabase``: ``Ledger``, a file;
+``PgDatabase``: ``PostgresLedger``, shared by several nodes), the table the spend store also appends to when it
+settles a reservation. Each call is one statement (autocommit). On PostgreSQL a read whose pooled connection turned
+out dead (the server restarted) is retried once on a new one; a write is not (it may have landed): it raises
+``StoreUnavailable`` and the gateway's ledger writer retries it.
+
+Costs are stored as integer nano-dollars (``cost_nusd``), so every total is an exact integer sum of its rows: the
+per-request costs add up to the reported totals with no float drift. Timestamps are epoch seconds
+(``time.time()``), so windows survive restarts.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from lmfleet.overflow.money import nusd_to_usd, usd_to_nusd
 from lmfleet.provenance import PROVIDER_PREFIX
+from lmfleet.store.postgres import PgDatabase
+from lmfleet.store.records import Database
+from lmfleet.store.schema import INSERT_REQUEST
+from lmfleet.store.sqlite import SqliteDatabase
 
-__all__ = ["DEFAULT_TENANT", "Grouping", "SqlLedger", "UsageRow"]
+__all__ = ["DEFAULT_TENANT", "Grouping", "Ledger", "PostgresLedger", "SqlLedger", "UsageRow"]
 
 Grouping = Literal["served_by", "tenant"]
 """What ``summary`` groups by: the backend that served a request, or the tenant that sent it."""
@@ -23,8 +36,6 @@ DEFAULT_TENANT = "default"
 gateway's flat API keys belong to (``lmfleet.tenants``)."""
 
 _GROUP_SQL: dict[str, str] = {"served_by": "served_by", "tenant": f"COALESCE(tenant, '{DEFAULT_TENANT}')"}
-_INSERT = ("INSERT INTO requests (ts, model, served_by, route_reason, input_tokens, output_tokens,"
-           " latency_ms, ttft_ms, status, cost_nusd, tenant) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
 
 
 @dataclass(frozen=True)
@@ -62,20 +73,21 @@ def _row(name: str, requests: int, inp: Any, out: Any, nusd: Any, by: Grouping =
 class SqlLedger:
     """Every request: who served it, for whom, how many tokens, how long, what it cost (integer nano-dollars)."""
 
-    _BUCKET = "CAST(ts / ? AS INTEGER)"
-
-    def __init__(self, *, clock: Callable[[], float]) -> None:
+    def __init__(self, db: Database, *, clock: Callable[[], float] = time.time) -> None:
+        self.db = db
         self._clock = clock
 
-    # --- backend hooks -------------------------------------------------------------------------------
     def _fetch(self, sql: str, params: Sequence[Any] = ()) -> tuple[list[str], list[tuple[Any, ...]]]:
-        raise NotImplementedError
+        return self.db.statement(sql, params, lambda cur: ([d[0] for d in cur.description], cur.fetchall()),
+                                 retry_stale=True)
 
     def _insert(self, sql: str, params: Sequence[Any]) -> int:
-        raise NotImplementedError
+        # not retried: the caller (the gateway's ledger writer) retries StoreUnavailable in order
+        return self.db.statement(sql + " RETURNING id", params, lambda cur: int(cur.fetchone()[0]),
+                                 retry_stale=False)
 
     def close(self) -> None:
-        raise NotImplementedError
+        self.db.close()
 
     def __enter__(self) -> "SqlLedger":
         return self
@@ -104,7 +116,7 @@ class SqlLedger:
         if input_tokens < 0 or output_tokens < 0 or cost_usd < 0:
             raise ValueError(f"negative usage: {input_tokens=} {output_tokens=} {cost_usd=}")
         when = self._clock() if ts is None else ts
-        return self._insert(_INSERT, (when, model, served_by, route_reason, input_tokens, output_tokens, latency_ms,
+        return self._insert(INSERT_REQUEST, (when, model, served_by, route_reason, input_tokens, output_tokens, latency_ms,
                                       ttft_ms, str(status), usd_to_nusd(cost_usd), tenant))
 
     def spend_since(self, ts: float, external_only: bool = True) -> float:
@@ -120,7 +132,7 @@ class SqlLedger:
         """External spend after ``since`` as ``(latest ts in bucket, usd)`` pairs, for ``check_budget``."""
         _, rows = self._fetch(
             "SELECT MAX(ts), SUM(cost_nusd) FROM requests WHERE ts > ? AND served_by LIKE ?"
-            f" GROUP BY {self._BUCKET} ORDER BY 1",
+            f" GROUP BY {self.db.bucket_sql} ORDER BY 1",
             (since, f"{PROVIDER_PREFIX}%", bucket_s),
         )
         return [(float(ts), nusd_to_usd(int(nusd))) for ts, nusd in rows]
@@ -170,3 +182,22 @@ class SqlLedger:
             parts.append("ts < ?")
             args.append(until)
         return (" WHERE " + " AND ".join(parts) if parts else ""), tuple(args)
+
+
+class Ledger(SqlLedger):
+    """The SQLite ledger at ``path`` (created with its folder if missing; an older file is upgraded)."""
+
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = 10.0, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(SqliteDatabase(path, busy_timeout_s=busy_timeout_s), clock=clock)
+        self.path = self.db.path
+
+
+class PostgresLedger(SqlLedger):
+    """The ledger in the PostgreSQL database at ``url`` (tables created or upgraded on open)."""
+
+    def __init__(self, url: str, *, password: str | None = None, connect_timeout_s: float = 5.0,
+                 statement_timeout_s: float = 5.0, pool_size: int = 2,
+                 clock: Callable[[], float] = time.time) -> None:
+        super().__init__(PgDatabase(url, password=password, connect_timeout_s=connect_timeout_s,
+                                    statement_timeout_s=statement_timeout_s, pool_size=pool_size), clock=clock)
+        self.url = url

@@ -1,80 +1,32 @@
-"""PostgreSQL spend store: several gateway nodes share one budget and one ledger (``ledger.url``).
+"""PostgreSQL: several gateway nodes share one budget, one ledger and the tenants' counters (``ledger.url``).
 
-Atomicity: every reservation locks one ``budget_keys`` row per cap key (``SELECT ... FOR UPDATE``, in
-key order), then reads what is spent and holds its amount, in one READ COMMITTED transaction; the next
-reserver of the same key waits on the row lock, and its next statement's snapshot has the committed
-holds. What is spent is read in one statement, so a settle committing meanwhile (hold deleted and
-cost added together, no key lock) is seen whole or not at all.
+Atomicity: a transaction that locks keys takes one ``budget_keys`` row per key (``SELECT ... FOR UPDATE``, in key
+order, so two transactions never deadlock), then reads and writes in READ COMMITTED; the next locker of the same
+key waits on the row lock, and its next statement's snapshot has the committed writes.
 
-Failure: connects with ``connect_timeout_s``; statements and lock waits are bounded by
-``statement_timeout_s`` (server-side), so a dead or stuck server fails a reservation closed
-(``StoreUnavailable``) instead of hanging it. A broken connection is dropped; the next call reconnects.
-Schema: created and migrated at start, once, under an advisory lock (several nodes may start at once).
-``PgDatabase`` (the pool, transactions, migrations) is shared with the ledger (``overflow.ledger.postgres``).
+Failure: connects with ``connect_timeout_s``; statements and lock waits are bounded by ``statement_timeout_s``
+(server-side), so a dead or stuck server fails a call closed (``StoreUnavailable``) instead of hanging it. A broken
+connection is dropped; the next call reconnects. Schema: created and migrated on open, once, under an advisory
+lock (several nodes may start at once).
 """
 
 from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from lmfleet.overflow.store._overrides import MIGRATION as TENANT_OVERRIDES
-from lmfleet.overflow.store._rate import MIGRATION as TENANT_COUNTERS
-from lmfleet.overflow.store._sql import Query, SqlSpendStore
-from lmfleet.overflow.store.base import SpendStoreError, StoreUnavailable
+from lmfleet.store.records import SpendStoreError, StoreUnavailable
+from lmfleet.store.schema import Query, migrate
 
-__all__ = ["MIGRATIONS", "PgDatabase", "PostgresSpendStore", "redact_url"]
+__all__ = ["PgDatabase", "redact_url"]
 
 T = TypeVar("T")
 
 _MIGRATION_LOCK = 0x6C6D666C  # pg_advisory_xact_lock id for schema changes ("lmfl")
-
-MIGRATIONS: dict[int, str] = {
-    1: """
-CREATE TABLE IF NOT EXISTS requests (
-    id            BIGSERIAL PRIMARY KEY,
-    ts            DOUBLE PRECISION NOT NULL,
-    model         TEXT    NOT NULL,
-    served_by     TEXT    NOT NULL,
-    route_reason  TEXT    NOT NULL,
-    input_tokens  BIGINT  NOT NULL,
-    output_tokens BIGINT  NOT NULL,
-    latency_ms    DOUBLE PRECISION,
-    ttft_ms       DOUBLE PRECISION,
-    status        TEXT    NOT NULL,
-    cost_nusd     BIGINT  NOT NULL
-);
-CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
-CREATE TABLE IF NOT EXISTS budget_keys (
-    key TEXT PRIMARY KEY
-);
-CREATE TABLE IF NOT EXISTS reservations (
-    id          TEXT    NOT NULL,
-    key         TEXT    NOT NULL,
-    request_id  TEXT    NOT NULL,
-    amount_nusd BIGINT  NOT NULL,
-    created_at  DOUBLE PRECISION NOT NULL,
-    expires_at  DOUBLE PRECISION NOT NULL,
-    PRIMARY KEY (id, key)
-);
-CREATE INDEX IF NOT EXISTS reservations_key ON reservations (key, expires_at);
-CREATE TABLE IF NOT EXISTS spend_buckets (
-    key        TEXT    NOT NULL,
-    bucket_end BIGINT  NOT NULL,
-    nusd       BIGINT  NOT NULL,
-    PRIMARY KEY (key, bucket_end)
-);
-""",
-    2: "ALTER TABLE requests ADD COLUMN IF NOT EXISTS tenant TEXT",
-    3: TENANT_COUNTERS.format(real="DOUBLE PRECISION"),
-    4: TENANT_OVERRIDES.format(int="BIGINT", real="DOUBLE PRECISION"),
-}
-
 
 def redact_url(url: str) -> str:
     """The URL without its password, for messages."""
@@ -96,8 +48,12 @@ class PgDatabase:
 
     A small pool (at most ``pool_size`` connections at once); a broken connection is dropped, and with it the
     idle ones (the server went away), so the next call reconnects. Every failure is ``StoreUnavailable``, one line.
-    ``migrate()`` brings the schema (``MIGRATIONS``) up to date under an advisory lock.
+    The schema is brought up to date on open (``lmfleet.store.schema.MIGRATIONS``), under an advisory lock.
     """
+
+    dialect = "postgresql"
+    bucket_sql = "FLOOR(ts / ?)"
+    """SQL that turns ``ts`` into a bucket number of ``?`` seconds."""
 
     def __init__(self, url: str, *, password: str | None = None, connect_timeout_s: float = 5.0,
                  statement_timeout_s: float = 5.0, pool_size: int = 4) -> None:
@@ -123,6 +79,7 @@ class PgDatabase:
         self._idle_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(pool_size)
         self._closed = False
+        self.migrate()
 
     def close(self) -> None:
         with self._idle_lock:
@@ -163,8 +120,9 @@ class PgDatabase:
                         self._idle.append(conn)
 
     @contextmanager
-    def transaction(self) -> Iterator[Query]:
-        """One transaction; ``q(sql, params)`` takes ``?`` placeholders. Database errors: ``StoreUnavailable``."""
+    def transaction(self, keys: Sequence[str] = ()) -> Iterator[Query]:
+        """One transaction holding every key's lock (sorted ``keys``); ``q(sql, params)`` takes ``?`` placeholders.
+        Database errors: ``StoreUnavailable``."""
         with self._connection() as (conn, _):
             try:
                 with conn.transaction():
@@ -174,6 +132,8 @@ class PgDatabase:
                         cur.execute(sql.replace("?", "%s"), params or None)
                         return cur
 
+                    if keys:
+                        _lock_keys(q, keys)
                     yield q
             except self._psycopg.Error as e:
                 raise self.unavailable(e) from e
@@ -197,43 +157,12 @@ class PgDatabase:
         """Create or upgrade the tables (once per version, whichever node or process comes first)."""
         with self.transaction() as q:
             q("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
-            q("CREATE TABLE IF NOT EXISTS lmfleet_schema (version INTEGER NOT NULL)")
-            current = q("SELECT COALESCE(MAX(version), 0) FROM lmfleet_schema").fetchone()[0]
-            for version in sorted(v for v in MIGRATIONS if v > current):
-                q(MIGRATIONS[version])
-                q("INSERT INTO lmfleet_schema (version) VALUES (?)", (version,))
+            migrate(q, "postgresql")
 
 
-class PostgresSpendStore(SqlSpendStore):
-    def __init__(self, url: str, *, password: str | None = None, ttl_s: float = 900.0, bucket_s: int = 60,
-                 retain_s: float = 8 * 86400.0, connect_timeout_s: float = 5.0, statement_timeout_s: float = 5.0,
-                 pool_size: int = 4, clock: Callable[[], float] = time.time) -> None:
-        super().__init__(ttl_s=ttl_s, bucket_s=bucket_s, retain_s=retain_s, clock=clock)
-        self.url = url
-        self._db = PgDatabase(url, password=password, connect_timeout_s=connect_timeout_s,
-                              statement_timeout_s=statement_timeout_s, pool_size=pool_size)
-        self._db.migrate()
-
-    def close(self) -> None:
-        self._db.close()
-
-    def __enter__(self) -> "PostgresSpendStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @contextmanager
-    def _transaction(self, keys: Sequence[str]) -> Iterator[Query]:
-        with self._db.transaction() as q:
-            if keys:
-                self._lock_keys(q, keys)
-            yield q
-
-    @staticmethod
-    def _lock_keys(q: Query, keys: Sequence[str]) -> None:
-        lock = "SELECT key FROM budget_keys WHERE key = ANY(?) ORDER BY key FOR UPDATE"
-        if len(q(lock, (list(keys),)).fetchall()) < len(keys):
-            # a key's first use: create its lock row (a concurrent creator waits on the unique index), then lock
-            q("INSERT INTO budget_keys (key) SELECT unnest(?::text[]) ON CONFLICT DO NOTHING", (list(keys),))
-            q(lock, (list(keys),))
+def _lock_keys(q: Query, keys: Sequence[str]) -> None:
+    lock = "SELECT key FROM budget_keys WHERE key = ANY(?) ORDER BY key FOR UPDATE"
+    if len(q(lock, (list(keys),)).fetchall()) < len(keys):
+        # a key's first use: create its lock row (a concurrent creator waits on the unique index), then lock
+        q("INSERT INTO budget_keys (key) SELECT unnest(?::text[]) ON CONFLICT DO NOTHING", (list(keys),))
+        q(lock, (list(keys),))

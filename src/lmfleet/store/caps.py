@@ -13,20 +13,20 @@ here. Settled spend is kept in buckets (``bucket_s``, default 60 s) that carry t
 bucket leaves the window no earlier than its last request: spend is never under-counted, and it
 rolls off at most one bucket late.
 
-When refused, ``retry_after_s`` is when enough settled buckets have left the window for the same amount
-to fit (as ``overflow.budget`` computes it, plus this request's amount); if held reservations alone
-block it, or the amount is over the cap by itself, the whole window (a conservative bound).
+When refused, the retry-after is when enough settled buckets have left the window for the same amount
+to fit (``lmfleet.overflow.budget.retry_after_s``); if held reservations alone block it, or the amount is
+over the cap by itself, the whole window (a conservative bound).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from lmfleet.config.models import BudgetConfig, ProviderPrice
+from lmfleet.config.models import ProviderPrice
 from lmfleet.overflow.budget import DAY_S, HOUR_S
 from lmfleet.overflow.money import usd_to_nusd
 
@@ -36,7 +36,6 @@ __all__ = [
     "Refusal",
     "caps_exceeded",
     "caps_for_budget",
-    "retry_after_s",
     "tenant_key",
     "worst_case_cost_nusd",
 ]
@@ -128,20 +127,6 @@ def worst_case_cost_nusd(prompt_tokens: int, max_tokens: int | None, price: Prov
         raise ValueError("worst-case cost is unbounded: the request has no max_tokens and the model no max_model_len")
     cost = prompt_tokens * _nusd_per_token(price.input_per_1m) + min(bounds) * _nusd_per_token(price.output_per_1m)
     return math.ceil(cost)
-
-
-def retry_after_s(events: Iterable[tuple[float, int]], held_nusd: int, amount_nusd: int, cap: Cap,
-                  now: float) -> float:
-    """Seconds until ``amount_nusd`` fits ``cap`` as settled ``(ts, nusd)`` events roll off (0: fits now)."""
-    inside = sorted((ts, n) for ts, n in events if ts > now - cap.window_s)
-    remaining = held_nusd + sum(n for _, n in inside)
-    if remaining + amount_nusd <= cap.cap_nusd:
-        return 0.0
-    for ts, n in inside:
-        remaining -= n
-        if remaining + amount_nusd <= cap.cap_nusd:
-            return max(0.0, ts + cap.window_s - now)
-    return cap.window_s
 
 
 def caps_exceeded(amount_nusd: int, caps: Sequence[Cap], spent_nusd: Mapping[Cap, int]) -> list[Cap]:

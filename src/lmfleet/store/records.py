@@ -1,30 +1,55 @@
-"""The spend store's interface, its records and its errors.
+"""The store's interfaces, its records and its errors.
 
 Exceptions::
 
-    SpendStoreError            anything the store cannot do
-     └── StoreUnavailable      the database cannot be read or written (down, locked, full, unreachable):
+    LmfleetError
+     └── SpendStoreError       anything the store cannot do
+          └── StoreUnavailable the database cannot be read or written (down, locked, full, unreachable):
                                reservations fail closed; the gateway closes the provider route
                                (keeps the request local or answers 429). Recoverable: a later call retries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from lmfleet.overflow.store.decision import GLOBAL, Cap, Refusal
+from lmfleet.errors import LmfleetError
+from lmfleet.store.caps import GLOBAL, Cap, Refusal
+from lmfleet.store.schema import Dialect, Query
 
-__all__ = ["Reservation", "Spend", "SpendStore", "SpendStoreError", "StoreUnavailable", "UsageRecord"]
+__all__ = ["Database", "Reservation", "Spend", "SpendStore", "SpendStoreError", "StoreUnavailable", "UsageRecord"]
 
 
-class SpendStoreError(Exception):
-    """The spend store could not do what was asked."""
+class SpendStoreError(LmfleetError):
+    """The store (spend, ledger, tenants' counters) could not do what was asked."""
 
 
 class StoreUnavailable(SpendStoreError):
     """The ledger database cannot be used now; no spend is admitted until it can. ``str()`` is one line."""
+
+
+T = TypeVar("T")
+
+
+class Database(Protocol):
+    """One database (``SqliteDatabase``, ``PgDatabase``), migrated to the current schema when opened."""
+
+    dialect: Dialect
+    bucket_sql: str
+    """SQL that turns ``ts`` into a bucket number of ``?`` seconds."""
+
+    def transaction(self, keys: Sequence[str] = ()) -> AbstractContextManager[Query]:
+        """One transaction holding every key's lock; database errors become ``StoreUnavailable``."""
+        ...
+
+    def statement(self, sql: str, params: Sequence[Any], read: Callable[[Any], T], *, retry_stale: bool) -> T:
+        """One statement on its own (autocommit), ``read(cursor)`` its result."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

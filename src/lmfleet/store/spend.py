@@ -1,18 +1,12 @@
-"""The spend store over SQL, shared by the SQLite and PostgreSQL backends.
+"""Exact, shared spend caps for paid providers: reserve the worst case before dispatch, settle after.
 
-Tables (one database, beside the ledger's ``requests`` rows)::
+Tables (``schema.py``): ``reservations`` (one row per cap key a request counts against; a hold counts while
+``expires_at > now``), ``spend_buckets`` (settled spend per key in ``bucket_s`` buckets; ``caps.py`` has the window
+rule) and the ledger's ``requests``, in one database with the tenants' tables (``tenants.py``).
 
-    reservations   (id, key)  -> request_id, amount_nusd, created_at, expires_at
-                   one row per cap key the request counts against; a hold counts while expires_at > now
-    spend_buckets  (key, bucket_end) -> nusd
-                   settled spend per key in ``bucket_s`` buckets (see decision.py for the window rule)
-    requests       the ledger's rows, exactly as ``overflow.ledger`` (``Ledger``, ``PostgresLedger``) writes and
-                   reads them; ``tenant`` (NULL: none known) since schema version 2
-    tenant_slots, rate_windows   tenants' requests in flight and rate windows (schema version 3; ``_rate.py``)
-    tenant_overrides             tenant settings changed through the admin API (schema version 4; ``_overrides.py``)
-
-Every reservation runs in one transaction that first locks its keys (SQLite: ``BEGIN IMMEDIATE``, the database's single writer lock; PostgreSQL: ``SELECT
-... FOR UPDATE`` on one ``budget_keys`` row per key, in key order so two requests never deadlock), so
+Every reservation runs in one transaction that first locks its keys (SQLite: ``BEGIN IMMEDIATE``, the database's
+single writer lock; PostgreSQL: ``SELECT ... FOR UPDATE`` on one ``budget_keys`` row per key, in key order so two
+requests never deadlock), so
 "read what is spent, then hold" is atomic across threads, processes and nodes: a cap is never exceeded.
 What is spent is read in one statement (one snapshot, also under PostgreSQL's READ COMMITTED).
 
@@ -27,17 +21,22 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any
 
-from lmfleet.overflow.store._overrides import TenantOverrides
-from lmfleet.overflow.store._rate import TenantCounters
-from lmfleet.overflow.store.base import Reservation, Spend, StoreUnavailable, UsageRecord
-from lmfleet.overflow.store.decision import GLOBAL, Cap, Refusal, caps_exceeded, retry_after_s
+from lmfleet.overflow.budget import retry_after_s
+from lmfleet.store.caps import GLOBAL, Cap, Refusal, caps_exceeded
+from lmfleet.store.postgres import PgDatabase
+from lmfleet.store.records import Database, Reservation, Spend, StoreUnavailable, UsageRecord
+from lmfleet.store.schema import INSERT_REQUEST, Query
+from lmfleet.store.sqlite import SqliteDatabase
+from lmfleet.store.tenants import TenantCounters, TenantOverrides
 
-__all__ = ["Query", "SqlSpendStore"]
+__all__ = ["PostgresSpendStore", "SqlSpendStore", "SqliteSpendStore"]
 
 _log = logging.getLogger(__name__)
 
@@ -46,27 +45,21 @@ EXPIRED_KEPT_S = 86400.0
 PURGE_EVERY_S = 60.0
 
 
-class Query(Protocol):
-    """Run one statement (``?`` placeholders) inside the current transaction; returns a DB-API cursor."""
-
-    def __call__(self, sql: str, params: Sequence[Any] = ()) -> Any: ...
-
-
 def _ledger_insert(q: Query, record: UsageRecord, cost_nusd: int, ts: float) -> None:
-    q("INSERT INTO requests (ts, model, served_by, route_reason, input_tokens, output_tokens,"
-      " latency_ms, ttft_ms, status, cost_nusd, tenant) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-      (ts, record.model, record.served_by, record.route_reason, record.input_tokens, record.output_tokens,
+    q(INSERT_REQUEST, (ts, record.model, record.served_by, record.route_reason, record.input_tokens, record.output_tokens,
        record.latency_ms, record.ttft_ms, str(record.status), cost_nusd, record.tenant))
 
 
 class SqlSpendStore(TenantCounters, TenantOverrides):
-    """``SpendStore`` over a SQL database; a backend provides ``_transaction(keys)`` and the schema. Also the
-    tenants' shared rate and concurrency counters (:class:`TenantCounters`) and their settings changed at run
-    time (:class:`TenantOverrides`)."""
+    """``SpendStore`` over a SQL database (``SqliteDatabase`` or ``PgDatabase``). Also the tenants' shared rate and
+    concurrency counters (:class:`TenantCounters`) and their settings changed at run time (:class:`TenantOverrides`).
+    """
 
-    def __init__(self, *, ttl_s: float, bucket_s: int, retain_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, db: Database, *, ttl_s: float = 900.0, bucket_s: int = 60, retain_s: float = 8 * 86400.0,
+                 clock: Callable[[], float] = time.time) -> None:
         if ttl_s <= 0 or bucket_s < 1 or retain_s <= 0:
             raise ValueError(f"{ttl_s=} and {retain_s=} must be > 0, {bucket_s=} >= 1")
+        self.db = db
         self.ttl_s = ttl_s
         self.bucket_s = bucket_s
         self.retain_s = retain_s
@@ -78,16 +71,21 @@ class SqlSpendStore(TenantCounters, TenantOverrides):
         """Settles, releases and records written so far (deferred ones count when they land): a write that
         lands after a failure tells the gateway's ``BudgetGuard`` the database is back, without a probe."""
 
-    # --- backend hooks -------------------------------------------------------------------------------
     def _transaction(self, keys: Sequence[str]) -> AbstractContextManager[Query]:
         """A transaction holding every key's lock (sorted ``keys``; none: a plain read or ledger append).
 
         Database errors inside it (or on begin/commit) become ``StoreUnavailable``, after a rollback.
         """
-        raise NotImplementedError
+        return self.db.transaction(keys)
 
     def close(self) -> None:
-        raise NotImplementedError
+        self.db.close()
+
+    def __enter__(self) -> "SqlSpendStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- SpendStore ----------------------------------------------------------------------------------
     @property
@@ -107,8 +105,9 @@ class SqlSpendStore(TenantCounters, TenantOverrides):
             over = caps_exceeded(amount_nusd, caps, spent)
             if over:
                 refusals = [Refusal(c, spent[c], amount_nusd,
-                                    retry_after_s(self._events(q, c.key, now - c.window_s), held[c.key],
-                                                  amount_nusd, c, now))
+                                    retry_after_s(self._events(q, c.key, now - c.window_s), held_nusd=held[c.key],
+                                                  amount_nusd=amount_nusd, cap_nusd=c.cap_nusd, window_s=c.window_s,
+                                                  now=now))
                             for c in over]
                 return max(refusals, key=lambda r: r.retry_after_s)
             res = Reservation(uuid.uuid4().hex, request_id, amount_nusd, keys, now + self.ttl_s)
@@ -199,3 +198,24 @@ class SqlSpendStore(TenantCounters, TenantOverrides):
                 self._outbox.pop(0)
                 self.writes_landed += 1
 
+
+class SqliteSpendStore(SqlSpendStore):
+    """The store in the SQLite file at ``path`` (one node, several processes; the ledger's file)."""
+
+    def __init__(self, path: str | Path, *, ttl_s: float = 900.0, bucket_s: int = 60, retain_s: float = 8 * 86400.0,
+                 busy_timeout_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(SqliteDatabase(path, busy_timeout_s=busy_timeout_s), ttl_s=ttl_s, bucket_s=bucket_s,
+                         retain_s=retain_s, clock=clock)
+        self.path = self.db.path
+
+
+class PostgresSpendStore(SqlSpendStore):
+    """The store in the PostgreSQL database at ``url`` (several nodes)."""
+
+    def __init__(self, url: str, *, password: str | None = None, ttl_s: float = 900.0, bucket_s: int = 60,
+                 retain_s: float = 8 * 86400.0, connect_timeout_s: float = 5.0, statement_timeout_s: float = 5.0,
+                 pool_size: int = 4, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(PgDatabase(url, password=password, connect_timeout_s=connect_timeout_s,
+                                    statement_timeout_s=statement_timeout_s, pool_size=pool_size),
+                         ttl_s=ttl_s, bucket_s=bucket_s, retain_s=retain_s, clock=clock)
+        self.url = url
