@@ -188,7 +188,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory) -> Fleet:
-    from tests.support.fault_proxy import FaultProxy
+    from lmfleet.testing.fault_proxy import FaultProxy
 
     from lmfleet.models import resolve_source
 

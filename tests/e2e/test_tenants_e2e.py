@@ -7,7 +7,7 @@ providers), ``tenant-b`` (``interactive``), and the flat key as ``default`` (unl
 drifts over a minute. So B's trickle runs in alternating blocks, solo / A flooding / solo / ..., and each
 side pools its blocks: both see the same drift. A's flood is 12 workers against a concurrency limit of 4
 (3x what it may run); a refused worker waits for retry-after (1 s here), as the OpenAI client does. The flood
-runs in a process of its own under ``nice -n 19`` (tests/support/flood.py): A is another client, not part of
+runs in a process of its own under ``nice -n 19`` (lmfleet/testing/flood.py): A is another client, not part of
 the fleet; run as threads of this process at niceness 0 it shared B's GIL and outran the fleet's Ray workers
 (niceness 15) on the 2 cores. The issue's 2x P99 bound is checked last; a miss is reported as an expected
 failure with its numbers (docs/tenants.md has the runs).
@@ -51,7 +51,7 @@ def p99(xs: list[float]) -> float:
 @dataclass
 class Flood:
     """``workers`` clients sending ``key``'s requests until stopped, in a separate process under ``nice -n 19``
-    (tests/support/flood.py says why); counts answers over every start/stop, keeps the 429s' headers."""
+    (lmfleet/testing/flood.py says why); counts answers over every start/stop, keeps the 429s' headers."""
 
     base_url: str
     key: str
@@ -64,7 +64,7 @@ class Flood:
 
     def start(self) -> "Flood":
         self._proc = subprocess.Popen(
-            ["nice", "-n", "19", sys.executable, "-m", "tests.support.flood", self.base_url, self.key, MODEL,
+            ["nice", "-n", "19", sys.executable, "-m", "lmfleet.testing.flood", self.base_url, self.key, MODEL,
              str(self.workers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
         assert self._proc.stdout.readline().strip() == "started"
         time.sleep(2.0)  # ramp up: A holds its 4 slots and its refused workers back off before B's block

@@ -33,7 +33,7 @@ from lmfleet.gateway.metrics import GatewayMetrics
 from lmfleet.gateway.recent_errors import ErrorEntry, RecentErrors
 from lmfleet.overflow import BudgetStatus
 from tests.unit.chromium import Browser, find_chromium
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 ADMIN = {"authorization": "Bearer adm"}

@@ -17,7 +17,7 @@ import pytest
 from lmfleet.gateway.router import class_wait_ms
 from lmfleet.overflow.estimator import estimate_wait_ms
 from lmfleet.overflow.signals import QueueSignals
-from tests.unit.gateway_fakes import make_gateway
+from lmfleet.testing.gateway_fakes import make_gateway
 from tests.unit.test_gateway_tenants import (
     CHAT,
     Counting,

@@ -17,7 +17,7 @@ import pytest
 from lmfleet.config import parse_config
 from lmfleet.gateway.access import GatewayConfigError
 from lmfleet.gateway.build import check_gateway_access
-from tests.unit.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, stream_response
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 KEYS = {"a": "sk-tenant-a-3f9c2e", "b": "sk-tenant-b-77d01a"}

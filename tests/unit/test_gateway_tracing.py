@@ -13,7 +13,7 @@ from aiohttp import web
 
 from lmfleet.gateway import build as build_mod
 from lmfleet.gateway.tracing import RequestTracer, traces_url
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

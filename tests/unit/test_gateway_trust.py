@@ -11,7 +11,7 @@ import pytest
 from lmfleet.config import parse_config
 from lmfleet.gateway.access import GatewayConfigError, allowed_hosts, check_exposure, host_allowed
 from lmfleet.gateway.build import check_gateway_access, load_api_keys
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 ADMIN = {"authorization": "Bearer adm"}

@@ -15,8 +15,8 @@ from lmfleet.overflow.ledger import (
     served_by_local,
     served_by_provider,
 )
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from lmfleet.testing.pg_server import PgUnavailable
+from lmfleet.testing.pg_shared import fresh_database, shared_pg_server
 
 pytestmark = pytest.mark.timeout(120)
 

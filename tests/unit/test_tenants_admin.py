@@ -13,7 +13,7 @@ from lmfleet.config.tenants import TenantConfig, TenantSettings, default_priorit
 from lmfleet.overflow.store import PostgresSpendStore, SqliteSpendStore
 from lmfleet.tenants import Tenant, TenantBook, TenantDirectory
 from lmfleet.tenants.admin import TenantSettingsError, parse_update
-from tests.unit.gateway_fakes import make_gateway
+from lmfleet.testing.gateway_fakes import make_gateway
 from tests.unit.test_gateway_tenants import (
     ADMIN,
     CHAT,

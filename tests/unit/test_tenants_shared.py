@@ -18,8 +18,8 @@ from lmfleet.overflow.store import PostgresSpendStore, SqliteSpendStore, StoreUn
 from lmfleet.overflow.store._rate import TenantCounts
 from lmfleet.tenants import Outcome, Reason, TenantBook, TenantDirectory
 from lmfleet.tenants.shared import SharedLimits
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from lmfleet.testing.pg_server import PgUnavailable
+from lmfleet.testing.pg_shared import fresh_database, shared_pg_server
 
 pytestmark = pytest.mark.timeout(180)
 
