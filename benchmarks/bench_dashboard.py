@@ -31,7 +31,7 @@ import httpx
 
 from lmfleet.gateway.dashboard import HISTORY, Counters, DashboardHistory, build_dashboard, read_gateway
 from lmfleet.gateway.recent_errors import recent_errors
-from tests.unit.gateway_fakes import chat_json, make_gateway
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
 
 def _ok(req: httpx.Request) -> httpx.Response:

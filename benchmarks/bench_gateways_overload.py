@@ -20,7 +20,7 @@ and the load average is recorded at each phase's start and end: the machine is s
 
 Same caveat as bench_overflow.py: the provider runs on the same cores as the local engine (each pinned to its
 own core), so overflow moves the queue here; it cannot add compute, and on a busy machine the provider's own
-TTFT can dominate the P99. `--provider fake` replaces it with tests/support/fast_openai_server.py answering at
+TTFT can dominate the P99. `--provider fake` replaces it with lmfleet/testing/fast_openai_server.py answering at
 a hosted API's pace (300 ms to the first token, 20 ms per token by default): the P99 then shows the local
 queue that the routing decision leaves.
 """
@@ -265,7 +265,7 @@ def main() -> None:
                          "cores is not failed over to local (the external share then shows the routing decision)")
     ap.add_argument("--provider", choices=("vllm", "fake"), default="vllm",
                     help="vllm: a second vLLM server of the model (on these same cores); fake: "
-                         "tests/support/fast_openai_server.py answering at --fake-ttft-ms / --fake-itl-ms")
+                         "lmfleet/testing/fast_openai_server.py answering at --fake-ttft-ms / --fake-itl-ms")
     ap.add_argument("--fake-ttft-ms", type=float, default=300)
     ap.add_argument("--fake-itl-ms", type=float, default=20)
     ap.add_argument("--gap", type=float, default=10, help="seconds of idle between phases, once the queue drained")

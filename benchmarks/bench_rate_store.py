@@ -108,7 +108,7 @@ if __name__ == "__main__":
     targets = [("sqlite", f"{tmp}/ledger.sqlite")]
     server = None
     try:
-        from tests.support.pg_server import PgServer
+        from lmfleet.testing.pg_server import PgServer
         server = PgServer.start()
         targets.append(("postgres", server.url))
     except Exception as e:  # noqa: BLE001 -- the bench runs without PostgreSQL too

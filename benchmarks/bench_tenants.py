@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_tenants.py --duration 10 --out out/bench_tenants.json
 
-The real gateway (``build_gateway`` via tests/unit/gateway_fakes.py, served by uvicorn on a free port) in front of
+The real gateway (``build_gateway`` via lmfleet/testing/gateway_fakes.py, served by uvicorn on a free port) in front of
 fakes, so it runs in minutes without engines:
 
 * local model ``m``: ``--slots`` sequences at once (Serve + engine), first token ``--local-ttft-ms`` after a slot is
@@ -40,7 +40,7 @@ import uvicorn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.unit.gateway_fakes import make_gateway  # noqa: E402
+from lmfleet.testing.gateway_fakes import make_gateway  # noqa: E402
 
 KEYS = {"chat": "sk-bench-chat", "jobs": "sk-bench-jobs"}
 

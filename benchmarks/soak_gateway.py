@@ -6,7 +6,7 @@ the gateway process's RSS, open file descriptors, threads and in-flight counts a
 
 Without ``--url`` it starts its own fleet through the real CLI (``lmfleet serve -c fleet.yaml``, as
 tests/e2e/conftest.py does): one local model (``builtin:tiny-random``, a small vLLM CPU engine) and one overflow
-provider, the fast fake OpenAI server of tests/support/fast_openai_server.py, with a low overflow threshold so
+provider, the fast fake OpenAI server of lmfleet/testing/fast_openai_server.py, with a low overflow threshold so
 that part of the traffic takes the provider path. The model's overflow mode is also switched between
 ``force_on`` and ``auto`` every ``--toggle-s`` seconds through the admin API, so that both paths carry traffic
 (also with ``--url``; ``--toggle-s 0`` turns this off). Everything it started is ended by pid on exit or Ctrl-C.
@@ -53,7 +53,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.support.fast_openai_server import FastServer, free_port  # noqa: E402
+from lmfleet.testing.fast_openai_server import FastServer, free_port  # noqa: E402
 
 MODEL = "tiny"
 API_KEY = "sk-soak-client"
