@@ -41,15 +41,15 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gateways_overload import Procs, wait_http  # noqa: E402
-from bench_overflow import BIN, REPO, free_port  # noqa: E402
+from lmfleet.bench.loadgen import LoadPlan, RequestRecord, Target, run_load
+from lmfleet.bench.metrics import percentile
+from lmfleet.bench.workload import PromptSynthesizer, parse_mix_inline, sample_requests
+from lmfleet.net import free_port
+from lmfleet.overflow.engine_stats import ReplicaStats, since
+from lmfleet.testing.fleet import Procs, wait_http
 
-from lmfleet.bench.loadgen import LoadPlan, RequestRecord, Target, run_load  # noqa: E402
-from lmfleet.bench.metrics import percentile  # noqa: E402
-from lmfleet.bench.workload import PromptSynthesizer, parse_mix_inline, sample_requests  # noqa: E402
-from lmfleet.overflow.engine_stats import ReplicaStats, since  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
 MODEL = "smollm2"
 ADMIN = "bench-admin"
 
