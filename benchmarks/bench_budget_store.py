@@ -20,15 +20,12 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lmfleet.overflow.store import (  # noqa: E402
+from lmfleet.overflow.store import (
     GLOBAL,
     Cap,
     PostgresSpendStore,
@@ -36,7 +33,7 @@ from lmfleet.overflow.store import (  # noqa: E402
     SqliteSpendStore,
     UsageRecord,
 )
-from lmfleet.testing.pg_server import PgServer  # noqa: E402
+from lmfleet.testing.pg_server import PgServer
 
 CAPS = [Cap(GLOBAL, 3600.0, 10**15), Cap(GLOBAL, 86400.0, 10**16)]
 ROW = UsageRecord(model="smollm2", served_by="provider/acme", route_reason="overflow", input_tokens=812,

@@ -19,16 +19,11 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO))
-
-from lmfleet.config.tenants import TenantConfig, TenantLimits, default_priority_classes  # noqa: E402
-from lmfleet.overflow.store import Cap, PostgresSpendStore, SqliteSpendStore  # noqa: E402
-from lmfleet.tenants import TenantBook, TenantDirectory  # noqa: E402
-from lmfleet.tenants.shared import SharedLimits  # noqa: E402
+from lmfleet.config.tenants import TenantConfig, TenantLimits, default_priority_classes
+from lmfleet.overflow.store import Cap, PostgresSpendStore, SqliteSpendStore
+from lmfleet.tenants import TenantBook, TenantDirectory
+from lmfleet.tenants.shared import SharedLimits
 
 WINDOW_S = 3600.0
 CLASSES = default_priority_classes()

@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -37,10 +36,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from lmfleet.testing.gateway_fakes import make_gateway  # noqa: E402
+from lmfleet.testing.gateway_fakes import make_gateway
 
 KEYS = {"chat": "sk-bench-chat", "jobs": "sk-bench-jobs"}
 

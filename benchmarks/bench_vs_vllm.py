@@ -41,12 +41,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from lmfleet.bench.loadgen import LoadPlan, Target, run_load
+from lmfleet.bench.metrics import measurement_window, summarize
+from lmfleet.bench.workload import PromptSynthesizer, parse_mix_inline, sample_requests
 
-from lmfleet.bench.loadgen import LoadPlan, Target, run_load  # noqa: E402
-from lmfleet.bench.metrics import measurement_window, summarize  # noqa: E402
-from lmfleet.bench.workload import PromptSynthesizer, parse_mix_inline, sample_requests  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 FIGURES = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "output_throughput")
 

@@ -50,10 +50,8 @@ import httpx
 import psutil
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from lmfleet.testing.fast_openai_server import FastServer, free_port  # noqa: E402
+from lmfleet.net import free_port
+from lmfleet.testing.fast_openai_server import FastServer
 
 MODEL = "tiny"
 API_KEY = "sk-soak-client"
