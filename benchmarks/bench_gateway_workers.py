@@ -9,7 +9,7 @@ each) streaming ``--max-tokens``-token chat completions for ``--duration`` s; ro
 configurations. Reported: req/s, P50/P99 TTFT, and the CPU (cores) of all gateway processes together, of the
 fake and of the client — on a small machine the three share the cores, so read them before reading a ratio.
 
-    LMFLEET_CACHE=/tmp/lmfc .venv/bin/python benchmarks/bench_gateway_workers.py --workers 1,2,4 --rounds 2
+    .venv/bin/python benchmarks/bench_gateway_workers.py --workers 1,2,4 --rounds 2
 """
 
 from __future__ import annotations

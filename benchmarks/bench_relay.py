@@ -13,7 +13,7 @@ alive connections, one request in flight each) streaming ``--max-tokens``-token 
 Targets (issue 11): gateway >= 50 % of direct req/s at 64 concurrent 32-token streams, and <= 1 ms
 added P50 TTFT (one client).
 
-    LMFLEET_CACHE=/tmp/lmfc .venv/bin/python benchmarks/bench_relay.py --rounds 3 --duration 10
+    .venv/bin/python benchmarks/bench_relay.py --rounds 3 --duration 10
     ... --profile out/relay.prof   # cProfile the first variant's gateway (slows it: a separate run)
 
 The load generator is raw asyncio (a Protocol per connection, no HTTP library) so that it stays cheaper
@@ -202,7 +202,7 @@ def main() -> None:
         serve_gateway(args.serve_gateway, args.fake_url, args.loop, args.http, args.profile_out)
         return
     if args.smoke:
-        args.duration, args.ttft_duration, args.rounds, args.concurrency = 0.5, 0.3, 1, 4
+        args.duration, args.ttft_duration, args.rounds, args.concurrency, args.paths = 0.5, 0.3, 1, 4, "local"
 
     from lmfleet.testing.fast_openai_server import FastServer
 

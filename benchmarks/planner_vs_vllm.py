@@ -6,7 +6,7 @@ plus the model's config.json to ``tests/unit/data/vllm_kv_report.json``. The uni
 tests/unit/test_check_planner.py then compares ``planner bytes/token x tokens`` with the KV space,
 without an engine.
 
-    LMFLEET_CACHE=/tmp/lmfc .venv/bin/python benchmarks/planner_vs_vllm.py [--out PATH] [--kv-gib 1]
+    .venv/bin/python benchmarks/planner_vs_vllm.py [--out PATH] [--kv-gib 1]
 
 One engine at a time; about 1.5 minutes per model on a 2-core machine.
 """

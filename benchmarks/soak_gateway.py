@@ -702,7 +702,11 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--smoke", action="store_true",
+                    help="6 seconds, 2 clients, no overflow toggling: checks that the soak runs, measures nothing")
     args = ap.parse_args()
+    if args.smoke:
+        args.minutes, args.clients, args.slow, args.toggle_s, args.sample_s, args.quiet_timeout = 0.1, 2, 1, 0, 2, 30
     random.seed(args.seed)
     print(f"soak_gateway: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {os.cpu_count()} cores, "
           f"{args.minutes:g} min, {args.clients} clients + {args.slow} slow-header + 1 slow-body", flush=True)
