@@ -9,8 +9,8 @@ outputs (ignore_eos), and the CPU seconds each process of the servers spent in e
 lmfleet >= 90 % of bare vLLM's output tokens/s at 32 streams, <= +5 ms P50 TTFT at one stream, and P99 TTFT at
 32 streams <= 1.5x bare's. Also reports the start-up time to ready of `lmfleet serve`.
 
-    .venv/bin/python benchmarks/bench_gateway.py --out out/bench_gateway.json            # ~25 min
-    .venv/bin/python benchmarks/bench_gateway.py --targets servers.json --smoke           # servers already up
+    .venv/bin/python benchmarks/bench_gateway.py --rounds 3 --c1-gap-s 1.5 --requests-1 8 --out out/bg.json
+    .venv/bin/python benchmarks/bench_gateway.py --targets servers.json --smoke    # servers already up
 
 Both servers are started here (bare vLLM in float32, as lmfleet's built-in SmolLM2 runs), unless ``--targets``
 names servers that are already up. Each phase is repeated ``--rounds`` times and the median is reported. At one
@@ -88,9 +88,10 @@ def c1_order(names: list[str], i: int) -> list[str]:
     return names[:1] + (rest[::-1] if i % 2 else rest)
 
 
-async def load_c1_rotated(targets: list[Target], requests: int, max_tokens: int) -> dict[str, dict]:
-    """One stream at a time, the paths in rotation (see :func:`c1_order`). Per path: TTFT P50/P99 and tok/s over
-    the time its own requests took."""
+async def load_c1_rotated(targets: list[Target], requests: int, max_tokens: int,
+                          gap_s: float = 0.0) -> dict[str, dict]:
+    """One stream at a time, the paths in rotation (see :func:`c1_order`), ``gap_s`` idle before each request. Per
+    path: TTFT P50/P99 and tok/s over the time its own requests took."""
     by_name = {t.name: t for t in targets}
     out = {t.name: {"ttfts": [], "tokens": 0, "busy_s": 0.0, "errors": 0} for t in targets}
     async with httpx.AsyncClient(timeout=300) as client:
@@ -98,6 +99,8 @@ async def load_c1_rotated(targets: list[Target], requests: int, max_tokens: int)
             await one_stream(client, t, 4)  # warm the path
         for i in range(requests):
             for name in c1_order(list(by_name), i):
+                if gap_s:
+                    await asyncio.sleep(gap_s)
                 o = out[name]
                 t0 = time.perf_counter()
                 try:
@@ -255,6 +258,9 @@ def main() -> None:
     ap.add_argument("--requests-1", type=int, default=12, help="requests per path at concurrency 1")
     ap.add_argument("--requests-32", type=int, default=96, help="requests per path at concurrency 32")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--c1-gap-s", type=float, default=0.0,
+                    help="idle seconds before each one-stream request (1.5 in docs/benchmarks.md's runs: with two "
+                    "engines on a small machine, an engine that just served a request keeps spinning ~1 s)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "bench_gateway.json")
     ap.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for `lmfleet serve` (Ray/Serve flags); repeatable")
@@ -290,7 +296,7 @@ def main() -> None:
                   f"p99 {r['ttft_p99_ms']:7.1f} ms  {r['output_tok_s']:7.1f} tok/s  errors {r['errors']}", flush=True)
 
         for rnd in range(args.rounds):
-            for name, r in asyncio.run(load_c1_rotated(targets, args.requests_1, args.max_tokens)).items():
+            for name, r in asyncio.run(load_c1_rotated(targets, args.requests_1, args.max_tokens, args.c1_gap_s)).items():
                 results[name]["1"].append(r)
                 show(rnd, name, 1, r)
             for t in targets:
@@ -315,7 +321,7 @@ def main() -> None:
             row["ttft_p50_added_ms_c1"] = row["c1_ttft_p50_ms"] - base["c1_ttft_p50_ms"]
             row["ttft_p99_ratio_c32"] = row["c32_ttft_p99_ms"] / base["c32_ttft_p99_ms"]
         summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores",
-                   "serve_env": args.serve_env, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                   "serve_env": args.serve_env, "c1_gap_s": args.c1_gap_s, "max_tokens": args.max_tokens, "rounds": args.rounds,
                    "concurrency": conc, **startup, "table": table, "raw": results}
         args.out.write_text(json.dumps(summary, indent=2))
         print(f"\n| path | TTFT P50 c=1 (ms) | TTFT P99 c=1 (ms) | tok/s c=1 | TTFT P50 c={conc} (ms) "
