@@ -35,7 +35,7 @@ def test_bench_gateway_smoke(fleet, tmp_path):
         "lmfleet gateway": {"url": f"{fleet.base_url}/v1", "api_key": fleet.api_key},
     }
     out = tmp_path / "bench_gateway.json"
-    r = run("bench_gateway.py", ["--smoke", "--targets", json.dumps(targets), "--out", str(out)], tmp_path, 400)
+    r = run("bench_gateway.py", ["--smoke", "--targets", json.dumps(targets), "--out", str(out)], tmp_path, 1200)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     table = json.loads(out.read_text())["table"]
     assert set(table) == set(targets)
