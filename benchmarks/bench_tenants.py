@@ -14,7 +14,7 @@ interactive tenant B, then
 
 B sends streamed completions one after another in alternating blocks, solo / A flooding / solo / ..., and each
 side pools its blocks (so both see the same drift of a shared machine's load); A's flood is ``--flood-workers``
-clients in a process of their own at ``nice 19`` (tests/support/flood.py). It reports B's P50/P99 TTFT solo and
+clients in a process of their own at ``nice 19`` (lmfleet/testing/flood.py). It reports B's P50/P99 TTFT solo and
 flooded and the ratio of the P99s (issue 14's bound: at most 2), A's answers and refusals, and the load average.
 
 The real gateway (``build_gateway`` via tests/unit/gateway_fakes.py, served by uvicorn on a free port) in front of
@@ -43,7 +43,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -52,11 +51,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.support.flood import Flood, p99, trickle  # noqa: E402
-from tests.unit.gateway_fakes import make_gateway  # noqa: E402
+from lmfleet.testing.flood import Flood, p99, trickle
+from lmfleet.testing.gateway_fakes import make_gateway
 
 KEYS = {"chat": "sk-bench-chat", "jobs": "sk-bench-jobs"}
 

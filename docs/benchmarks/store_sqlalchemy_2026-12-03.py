@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as lite_insert
 from lmfleet.store import GLOBAL, Cap, PostgresSpendStore, SqliteSpendStore, UsageRecord
-from tests.support.pg_server import PgServer
+from lmfleet.testing.pg_server import PgServer
 
 CAPS = [Cap(GLOBAL, 3600.0, 10**15), Cap(GLOBAL, 86400.0, 10**16)]
 ROW = UsageRecord(model="m", served_by="provider/acme", route_reason="overflow", input_tokens=812,

@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +25,10 @@ import httpx
 import psutil
 import pytest
 import yaml
+
+# free_port: outside the ephemeral range (the fleet's serve_port is bound by HAProxy only once Ray is up)
+from lmfleet.net import free_port  # noqa: F401  (e2e modules import it from here)
+from lmfleet.testing.fleet import wait_http as _wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -44,14 +47,6 @@ def fleet_env() -> dict[str, str]:
     return {**os.environ, "LMFLEET_TEST_API_KEYS": API_KEY, "LMFLEET_TEST_ADMIN_KEY": ADMIN_KEY,
             "LMFLEET_TEST_PROVIDER_KEY": PROVIDER_KEY, "PYTHONUNBUFFERED": "1",
             "LMFLEET_TEST_TENANT_A_KEYS": TENANT_A_KEY, "LMFLEET_TEST_TENANT_B_KEYS": TENANT_B_KEY}
-
-
-def free_port() -> int:
-    """A free port outside the ephemeral range: the fleet's serve_port is bound by HAProxy only once Ray is up,
-    and an outgoing connection could take an ephemeral one meanwhile (lmfleet.serve.proxy.free_port)."""
-    from lmfleet.serve.proxy import free_port as quiet_free_port
-
-    return quiet_free_port("127.0.0.1")
 
 
 def descendants(pid: int) -> dict[int, float]:
@@ -159,18 +154,6 @@ class Fleet:
         return self.log_path.read_text(errors="replace")
 
 
-def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float, headers=None) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} was up:\n{log.read_text()[-5000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=5, headers=headers).status_code == 200:
-                return
-        time.sleep(2)
-    raise RuntimeError(f"{url} not up after {timeout_s:.0f} s:\n{log.read_text()[-5000:]}")
-
-
 _LOGS: list[Path] = []  # the shared fleet's logs, for the failure summary below
 
 
@@ -206,9 +189,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory) -> Fleet:
-    from tests.support.fault_proxy import FaultProxy
-
     from lmfleet.models import resolve_source
+    from lmfleet.testing.fault_proxy import FaultProxy
 
     work = tmp_path_factory.mktemp("fleet")
     env = fleet_env()

@@ -26,10 +26,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # tests/ is not a package; make tests.support importable
-    sys.path.insert(0, str(REPO))
 
-from tests.support.netns import Host, NetnsLab, can_run  # noqa: E402
+from lmfleet.testing.netns import Host, NetnsLab, can_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_order(-1)]
 

@@ -3,7 +3,7 @@
 Tenants (tests/e2e/conftest.py): ``tenant-a`` (class ``batch``, ``max_concurrency: 4``, may not pay for
 providers), ``tenant-b`` (``interactive``), and the flat key as ``default`` (unlimited, interactive).
 
-A's flood is 12 workers against its concurrency limit of 4, in a process of its own (tests/support/flood.py); a
+A's flood is 12 workers against its concurrency limit of 4, in a process of its own (lmfleet/testing/flood.py); a
 refused worker waits for retry-after, as the OpenAI client does. The test asserts what holds on any machine: A is
 refused beyond its limit with OpenAI's rate-limit headers, B is never refused and is served while A floods, A's
 batch never reaches the paid provider, and the ledger attributes every answered request. How much the flood
@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import TENANT_A_KEY, TENANT_B_KEY, VENV_BIN
-from tests.support.flood import Flood, trickle
+from lmfleet.testing.flood import Flood, trickle
 
 pytestmark = pytest.mark.e2e
 

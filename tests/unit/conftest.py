@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import shared_pg_server
+from lmfleet.testing.pg_server import PgUnavailable
+from lmfleet.testing.pg_shared import shared_pg_server
 
 
 @pytest.fixture
 async def close_started_gateways():
-    """Close every gateway that :func:`tests.unit.gateway_fakes.started_client` started during the test."""
-    from tests.unit.gateway_fakes import STARTED_GATEWAYS
+    """Close every gateway that :func:`lmfleet.testing.gateway_fakes.started_client` started during the test."""
+    from lmfleet.testing.gateway_fakes import STARTED_GATEWAYS
 
     yield
     while STARTED_GATEWAYS:

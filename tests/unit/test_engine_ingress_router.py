@@ -1,8 +1,8 @@
 """Under direct streaming a model with `request_router: default` is deployed without Serve's ingress request router.
 
 HAProxy calls that router (LLMRouter, `POST /internal/route`) before every request only to learn a replica; with no
-prompt-aware policy HAProxy's own balancing does the same job without the round trip (docs/benchmarks.md,
-bench_ttft_path). The real builders run here (no deploy, no Ray cluster).
+prompt-aware policy HAProxy's own balancing does the same job without the round trip (docs/benchmarks.md).
+The real builders run here (no deploy, no Ray cluster).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from lmfleet.config.models import ProviderPrice
 from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.store import GLOBAL, Cap, Refusal, Reservation, StoreUnavailable
-from tests.unit.gateway_fakes import chat_json, make_gateway
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 ADMIN = {"authorization": "Bearer adm"}

@@ -33,7 +33,7 @@ from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.admin.recent_errors import ErrorEntry, RecentErrors
 from lmfleet.overflow import BudgetStatus
 from tests.unit.chromium import Browser, find_chromium
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
 
 pytestmark = pytest.mark.usefixtures("close_started_gateways")
 

@@ -17,7 +17,7 @@ import pytest
 from lmfleet.gateway.routing.router import class_wait_ms
 from lmfleet.overflow.estimator import estimate_wait_ms
 from lmfleet.overflow.signals import QueueSignals
-from tests.unit.gateway_fakes import make_gateway, started_client
+from lmfleet.testing.gateway_fakes import make_gateway, started_client
 from tests.unit.test_gateway_tenants import (
     CHAT,
     Counting,

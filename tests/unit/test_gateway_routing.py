@@ -10,7 +10,7 @@ import logging
 import httpx
 import pytest
 
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
 
 pytestmark = pytest.mark.usefixtures("close_started_gateways")
 

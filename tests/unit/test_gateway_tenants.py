@@ -17,7 +17,7 @@ import pytest
 from lmfleet.config import parse_config
 from lmfleet.gateway.front.access import GatewayConfigError
 from lmfleet.gateway.build import check_gateway_access
-from tests.unit.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, started_client, stream_response
+from lmfleet.testing.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, started_client, stream_response
 
 pytestmark = pytest.mark.usefixtures("close_started_gateways")
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from lmfleet.gateway import build as build_mod
 from lmfleet.gateway.observe.tracing import RequestTracer, traces_url
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
 
 pytestmark = pytest.mark.usefixtures("close_started_gateways")
 

@@ -11,7 +11,7 @@ import pytest
 from lmfleet.config import parse_config
 from lmfleet.gateway.front.access import GatewayConfigError, allowed_hosts, check_exposure, host_allowed
 from lmfleet.gateway.build import check_gateway_access, load_api_keys
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
 
 pytestmark = pytest.mark.usefixtures("close_started_gateways")
 

@@ -34,8 +34,8 @@ from lmfleet.store import (
     open_spend_store,
     worst_case_cost_nusd,
 )
-from tests.support.pg_server import PgServer, PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from lmfleet.testing.pg_server import PgServer, PgUnavailable
+from lmfleet.testing.pg_shared import fresh_database, shared_pg_server
 
 # a store test that waits on a lock or a server must fail, not hang the whole run (CI has 90 minutes)
 pytestmark = pytest.mark.timeout(180)

@@ -13,7 +13,7 @@ from lmfleet.store import (
     PostgresLedger,
     open_ledger,
 )
-from tests.support.pg_shared import fresh_database
+from lmfleet.testing.pg_shared import fresh_database
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,8 +26,8 @@ from lmfleet.store import (
     UsageRecord,
     open_ledger,
 )
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database
+from lmfleet.testing.pg_server import PgUnavailable
+from lmfleet.testing.pg_shared import fresh_database
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -225,7 +225,7 @@ def test_check_ledger_sqlite_that_cannot_be_opened(tmp_path):
 async def test_admin_usage_reads_the_postgres_ledger_by_backend_and_tenant(tmp_path, pg_server):
     import json
 
-    from tests.unit.gateway_fakes import chat_json, make_gateway
+    from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
     url = fresh_database(pg_server)
     app = make_gateway(tmp_path, lambda r: httpx.Response(200, json=chat_json(json.loads(r.content)["model"])),
@@ -265,8 +265,8 @@ async def test_admin_usage_reads_the_postgres_ledger_by_backend_and_tenant(tmp_p
 async def test_local_traffic_goes_on_while_the_postgres_ledger_is_down(tmp_path):
     import json
 
-    from tests.support.pg_server import PgServer
-    from tests.unit.gateway_fakes import chat_json, make_gateway
+    from lmfleet.testing.pg_server import PgServer
+    from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
     def ok(r: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json=chat_json(json.loads(r.content)["model"]))

@@ -13,8 +13,8 @@ from lmfleet.cli.main import app
 from lmfleet.cli.usage import parse_since
 from lmfleet.config.models import LedgerConfig
 from lmfleet.store import Ledger, open_ledger
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from lmfleet.testing.pg_server import PgUnavailable
+from lmfleet.testing.pg_shared import fresh_database, shared_pg_server
 
 NOW = 1_800_000_000.0
 ISO = datetime(2027, 1, 15, 8, 0, tzinfo=timezone.utc).timestamp()

@@ -34,8 +34,8 @@ from lmfleet.store import (
     UsageRecord,
 )
 from lmfleet.store.schema import BUDGET_KEYS, REQUESTS, TYPES, CreateTables, create_table_sql
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from lmfleet.testing.pg_server import PgUnavailable
+from lmfleet.testing.pg_shared import fresh_database, shared_pg_server
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,8 +13,8 @@ from lmfleet.config.tenants import TenantConfig, TenantSettings, default_priorit
 from lmfleet.store import PostgresSpendStore, SqliteSpendStore
 from lmfleet.tenants import Tenant, TenantBook, TenantDirectory
 from lmfleet.tenants.admin import TenantSettingsError, parse_update
-from tests.support.pg_shared import fresh_database
-from tests.unit.gateway_fakes import make_gateway, started_client
+from lmfleet.testing.pg_shared import fresh_database
+from lmfleet.testing.gateway_fakes import make_gateway, started_client
 from tests.unit.test_gateway_tenants import (
     ADMIN,
     CHAT,

@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from tests.unit.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, started_client, stream_response
+from lmfleet.testing.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, started_client, stream_response
 from tests.unit.test_gateway_tenants import (
     ADMIN,
     CHAT,

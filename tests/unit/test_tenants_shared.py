@@ -18,7 +18,7 @@ from lmfleet.store import PostgresSpendStore, SqliteSpendStore, StoreUnavailable
 from lmfleet.store import TenantCounts
 from lmfleet.tenants import Outcome, Reason, TenantBook, TenantDirectory
 from lmfleet.tenants.shared import SharedLimits
-from tests.support.pg_shared import fresh_database
+from lmfleet.testing.pg_shared import fresh_database
 
 pytestmark = pytest.mark.timeout(180)
 

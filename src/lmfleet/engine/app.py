@@ -279,8 +279,8 @@ def skip_ingress_router(model: ModelConfig, direct_streaming: bool | None = None
     calls it (``POST /internal/route``, one HTTP round trip to a Python replica) before every request, only to
     learn which replica to use. For ``request_router: default`` there is nothing for it to know: HAProxy's own
     balancing (``leastconn`` by default, ``RAY_SERVE_HAPROXY_BALANCE_ALGORITHM``) picks the replica with the
-    fewest requests in flight from what it already sees. Measured with ``benchmarks/bench_ttft_path.py``: the
-    router call was most of the time HAProxy's path added over bare vLLM at one stream (docs/benchmarks.md).
+    fewest requests in flight from what it already sees. Measured hop by hop: the router call was most of the
+    time HAProxy's path added over bare vLLM at one stream (docs/benchmarks.md).
     The routers that need it (prefix_aware, kv_aware, an explicit round_robin) keep it.
     """
     if direct_streaming is None:

@@ -5,7 +5,7 @@
 
 Tests and benchmarks inject what would otherwise be I/O: ``fetch_status`` (Serve's status; None: every
 model counts as ready), ``fetch_engine_metrics`` (Ray's metrics pages; None: no poller) and
-``load_tokenizer``; backends are real HTTP servers (fakes in tests/unit/gateway_fakes.py).
+``load_tokenizer``; backends are real HTTP servers (fakes in ``lmfleet.testing.gateway_fakes``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Put it in front of a real OpenAI-compatible server; every request is forwarded (streams chunk by
 chunk, SSE events one by one) unless a fault is armed::
 
-    python -m tests.support.fault_proxy --upstream http://127.0.0.1:9000 --port 9100
+    python -m lmfleet.testing.fault_proxy --upstream http://127.0.0.1:9000 --port 9100
 
     with FaultProxy("http://127.0.0.1:9000").running() as proxy:      # in-process, background thread
         proxy.set_fault(mode="status", status=429, retry_after=2, count=1)
@@ -276,7 +276,7 @@ def _abort(request: web.Request) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tests.support.fault_proxy", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lmfleet.testing.fault_proxy", description=__doc__.split("\n\n")[0])
     p.add_argument("--upstream", required=True, help="Base URL of the real server, e.g. http://127.0.0.1:9000")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)

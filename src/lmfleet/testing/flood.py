@@ -6,7 +6,7 @@ client whose latency is being measured, and at niceness 0 they would outrun the 
 15). So the test starts this script under ``nice -n 19``: it still keeps its tenant's admitted slots busy (its
 threads wait on sockets), but it no longer decides whose CPU the measured client and the fleet get.
 
-    python -m tests.support.flood BASE_URL KEY MODEL WORKERS
+    python -m lmfleet.testing.flood BASE_URL KEY MODEL WORKERS
 
 Runs until its stdin closes, then prints one JSON object: ``{"ok", "refused", "other", "refusals"}`` (at most
 50 refusals, each ``[headers, body]``). A refused worker backs off by ``retry-after`` (capped at 2 s), as the
@@ -111,7 +111,7 @@ class Flood:
 
     def start(self) -> "Flood":
         self._proc = subprocess.Popen(
-            ["nice", "-n", "19", sys.executable, "-m", "tests.support.flood", self.base_url, self.key, self.model,
+            ["nice", "-n", "19", sys.executable, "-m", "lmfleet.testing.flood", self.base_url, self.key, self.model,
              str(self.workers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
         assert self._proc.stdout.readline().strip() == "started"
         time.sleep(self.ramp_s)  # the flood holds its admitted slots and its refused workers back off

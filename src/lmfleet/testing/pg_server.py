@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmfleet.net import free_port
+
 __all__ = ["PgServer", "PgUnavailable", "find_pg_bin"]
 
 
@@ -81,12 +83,6 @@ def _runnable_by(bindir: Path, user: str | None) -> Path:
     return dest / rel / "bin"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class PgServer:
     bindir: Path
@@ -115,7 +111,7 @@ class PgServer:
             pw = pwd.getpwnam(user)
             os.chown(root, pw.pw_uid, pw.pw_gid)
             bindir = _runnable_by(bindir, user)
-        server = cls(bindir, root, _free_port(), user, max_connections)
+        server = cls(bindir, root, free_port("127.0.0.1"), user, max_connections)
         try:
             subprocess.run([str(bindir / "initdb"), "-D", str(server.datadir), "-U", "postgres", "--auth=trust",
                             "-E", "UTF8", "--no-sync"], check=True, capture_output=True, text=True, user=user,

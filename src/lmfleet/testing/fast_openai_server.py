@@ -9,7 +9,7 @@ inter-token time from uniform(A, B), ``--ttft-ms-per-prompt-token`` adds prefill
 words, and ``--workers N`` serves from N processes on one port (SO_REUSEPORT), so the fake is not the limit. Paths may carry a route prefix (``/m/v1/chat/completions``), as
 Ray Serve's do, so the server can stand in for a local model too.
 
-    python tests/support/fast_openai_server.py --port 18555 [--ttft-ms 0] [--itl-ms 0] [--served-by local/x]
+    python -m lmfleet.testing.fast_openai_server --port 18555 [--ttft-ms 0] [--itl-ms 0] [--served-by local/x]
 
 In tests: ``with FastServer() as srv: srv.base_url``  (a subprocess on a free port).
 """
@@ -22,11 +22,12 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
+
+from lmfleet.net import free_port
 
 STATUS = {200: b"OK", 404: b"Not Found", 400: b"Bad Request"}
 
@@ -178,23 +179,17 @@ def main(opts: argparse.Namespace) -> None:
                 os.kill(pid, signal.SIGTERM)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class FastServer:
     """Run the server in a subprocess on a free port for the duration of a ``with`` block."""
 
     def __init__(self, *args: str):
-        self.port = free_port()
+        self.port = free_port("127.0.0.1")
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "FastServer":
-        self.proc = subprocess.Popen([sys.executable, __file__, "--port", str(self.port), *self.args])
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmfleet.testing.fast_openai_server", "--port", str(self.port), *self.args])
         deadline = time.time() + 20
         while time.time() < deadline:
             try:

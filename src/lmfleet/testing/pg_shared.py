@@ -13,7 +13,7 @@ import atexit
 import threading
 import uuid
 
-from tests.support.pg_server import PgServer, PgUnavailable
+from lmfleet.testing.pg_server import PgServer, PgUnavailable
 
 __all__ = ["fresh_database", "shared_pg_server"]
 
