@@ -4,7 +4,7 @@ oracle's spend.
     .venv/bin/python benchmarks/bench_overflow_policies.py --out out/bench_overflow_policies [--duration 90] [--rounds 2]
     .venv/bin/python benchmarks/bench_overflow_policies.py --smoke   # seconds of trace: the harness works
 
-It starts the fake provider (``tests/support/fast_openai_server.py --latency-model``: TTFT log-normal, median
+It starts the fake provider (``lmfleet.testing.fast_openai_server --latency-model``: TTFT log-normal, median
 400 ms, P99 1.5 s, 25 ms per output token; priced at ``--price-in``/``--price-out`` $/1M tokens) and
 ``lmfleet serve`` with SmolLM2 on one replica. It measures the replica's capacity on the trace's mix (a closed
 loop of ``max_num_seqs`` users, local only), builds the bursty open-loop trace of ``lmfleet.bench.trace`` from
@@ -45,14 +45,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+from lmfleet.bench.trace import TraceRequest, TraceSpec, bursty_trace
+from lmfleet.config.models import ProviderPrice
+from lmfleet.overflow.estimate_error import EstimateError, estimate_error, percentile
+from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, oracle_spill
+from lmfleet.provenance import is_external
 
-from lmfleet.bench.trace import TraceRequest, TraceSpec, bursty_trace  # noqa: E402
-from lmfleet.config.models import ProviderPrice  # noqa: E402
-from lmfleet.overflow.estimate_error import EstimateError, estimate_error, percentile  # noqa: E402
-from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, oracle_spill  # noqa: E402
-from lmfleet.provenance import is_external  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 BIN = Path(sys.executable).parent
 ADMIN = "bench-admin"
@@ -347,7 +346,7 @@ models:
 """)
     env = {**os.environ, "BENCH_ADMIN": ADMIN, "BENCH_PROVIDER_KEY": PKEY}
     procs = [
-        subprocess.Popen([sys.executable, str(REPO / "tests/support/fast_openai_server.py"), "--port", str(pport),
+        subprocess.Popen([sys.executable, "-m", "lmfleet.testing.fast_openai_server", "--port", str(pport),
                           "--model", "smollm2-remote", "--latency-model", "400,1500,25", "--seed", str(args.seed)],
                          env=env, stdout=(out / "provider.log").open("w"), stderr=subprocess.STDOUT,
                          start_new_session=True),
