@@ -36,7 +36,8 @@ def run(script: str, args: list[str], cwd: Path, timeout_s: float) -> subprocess
 
 
 # benchmarks whose smoke mode runs in a test module of their own
-OWN_TEST = {"bench_front_door.py": "tests/unit/test_bench_front_door_smoke.py"}
+OWN_TEST = {"bench_front_door.py": "tests/unit/test_bench_front_door_smoke.py",
+            "bench_overflow_policies.py": "tests/e2e/test_bench_overflow_policies_e2e.py"}
 
 
 def test_every_benchmark_is_covered():

@@ -36,6 +36,8 @@ from lmfleet.gateway.front.access import read_json
 from lmfleet.gateway.front.errors import GatewayError, error_body
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import OverflowMode
+from lmfleet.overflow.advise import advise as advise_rows
+from lmfleet.overflow.advise import facts_from_rows, replica_hour_nusd
 from lmfleet.store import Grouping, Ledger, SqliteSpendStore, StoreUnavailable
 from lmfleet.tenants import TenantBook, TenantDirectory
 from lmfleet.tenants.admin import TenantAdmin, TenantSettingsError
@@ -99,9 +101,10 @@ def admin_routes(gw: Gateway, cfg: GatewayConfig, tenant_admin: TenantAdmin | No
 
     @r.get("/admin/usage")
     async def admin_usage(since: float | None = None, until: float | None = None,
-                          by: str = "served_by") -> dict[str, Any]:
+                          by: str = "served_by", advise: bool = False) -> dict[str, Any]:
         """Requests, tokens and cost per ``served_by`` or per ``tenant`` (rows without one: ``default``), read from
-        the ledger (the fleet's shared PostgreSQL when ``ledger.url`` is set); 503 while that cannot be reached."""
+        the ledger (the fleet's shared PostgreSQL when ``ledger.url`` is set); 503 while that cannot be reached.
+        ``advise=1``: rent or buy per model instead (``lmfleet usage --advise``)."""
         ledger = gw.recorder.ledger
         if ledger is None:
             raise GatewayError(404, "No ledger is configured.")
@@ -113,10 +116,18 @@ def admin_routes(gw: Gateway, cfg: GatewayConfig, tenant_admin: TenantAdmin | No
             log.warning("admin/usage: %d ledger rows still waiting to be written; reading without them",
                         gw.recorder.pending)
         try:
-            rows = await asyncio.to_thread(ledger.summary, since, until, by)
-            total = await asyncio.to_thread(ledger.totals, since, until, by)
+            if advise:
+                raw = await asyncio.to_thread(ledger.rows, since, until)
+            else:
+                rows = await asyncio.to_thread(ledger.summary, since, until, by)
+                total = await asyncio.to_thread(ledger.totals, since, until, by)
         except StoreUnavailable as e:
             raise GatewayError(503, f"The ledger cannot be read now: {e}") from None
+        if advise:
+            hourly = {n: replica_hour_nusd(m.app.cfg, uses_gpus=m.app.device == "gpu") for n, m in gw.models.items()}
+            window = (since, until if until is not None else time.time()) if since is not None else None
+            advice = advise_rows(facts_from_rows(raw), hourly, window=window)
+            return {"since": since, "until": until, "models": [a.as_dict() for a in advice]}
         return {"since": since, "until": until, "by": by, "rows": [row.as_dict() for row in rows],
                 "total": total.as_dict()}
 

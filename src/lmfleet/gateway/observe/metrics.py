@@ -10,6 +10,7 @@ from lmfleet.overflow.engine_stats import ReplicaTable, imbalance
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
+_ESTIMATE_ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _PREPARE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
@@ -24,6 +25,10 @@ class GatewayMetrics:
                                  ["model", "served_by"], buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("lmfleet_time_to_first_token_seconds", "Time to first token of streamed requests.",
                               ["model", "served_by"], buckets=_TTFT_BUCKETS, registry=r)
+        self.estimate_error = Histogram(
+            "lmfleet_queue_estimate_error_seconds", "Signed error of the predicted local wait of requests kept "
+            "local: the realised time to first token minus the estimate the router used (positive: the request "
+            "waited longer than predicted).", ["model"], buckets=_ESTIMATE_ERROR_BUCKETS, registry=r)
         self.in_flight = Gauge("lmfleet_in_flight_requests", "Requests in flight at the gateway.",
                                ["model", "served_by"], registry=r)
         self.tokens = Counter("lmfleet_tokens", "Tokens processed, by model, who served them and kind.",
