@@ -163,3 +163,27 @@ async def test_admin_sets_and_reports_the_policy(tmp_path):
     assert r.json()["models"]["m"]["policy"] == "hedge" and r.json()["models"]["m"]["hedge_after_ms"] == 800
     r = await _policy(c, policy="predictive", hedge_after_ms=None)
     assert r.json()["models"]["m"]["policy"] == "predictive"
+
+
+async def test_the_policy_comes_from_the_models_config(tmp_path):
+    model = {"name": "m", "source": "builtin:tiny-random",
+             "deployment": {"max_ongoing_requests": 4, "request_timeout_s": 10},
+             "overflow": {"threshold_ms": 1000, "local_first_token_timeout_s": 2, "policy": "ttft_timeout",
+                          "ttft_timeout_ms": 300}}
+    app = make_gateway(tmp_path, slow(["late"], 3.0), {"p": provider_ok}, extra={"models": [model]})
+    c = await _client(app)
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert r.headers["x-lmfleet-served-by"] == "provider/p" and r.headers["x-lmfleet-route-reason"] == "ttft_timeout"
+
+
+@pytest.mark.parametrize("may_pay,served_by,hedged", [(False, "local/m", False), (True, "provider/p", True)])
+async def test_a_batch_request_is_hedged_only_when_its_tenant_may_pay(tmp_path, may_pay, served_by, hedged):
+    from tests.unit.test_gateway_tenants import key, tenant_gateway
+
+    app = tenant_gateway(tmp_path, {"a": {"priority": "batch", "batch_may_use_providers": may_pay}},
+                         local=slow(["late"], 1.0), providers={"p": provider_ok})
+    c = await _client(app)
+    await _policy(c, policy="hedge", hedge_after_ms=100)
+    r = await c.post("/v1/chat/completions", json=STREAM, headers=key("a"))
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == served_by
+    assert ("x-lmfleet-hedged" in r.headers) is hedged

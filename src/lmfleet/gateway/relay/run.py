@@ -251,8 +251,8 @@ class RequestRun:
                     timeout = None if step.wake_at is None else max(0.0, step.wake_at - time.monotonic())
                     if running:
                         await asyncio.wait(running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                    elif timeout:  # not reached: the table waits on an event only while an attempt runs
-                        await asyncio.sleep(timeout)
+                    else:  # not reached: the table waits on an event only while an attempt runs
+                        await asyncio.sleep(timeout if timeout is not None else PROVIDER_RECHECK_S)
                     now = time.monotonic()
                     if local.done() and state.local_first_token_at is None and state.local_error is None:
                         exc = local.exception()
