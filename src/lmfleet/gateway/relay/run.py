@@ -85,9 +85,9 @@ class RequestRun:
     """How it ended, once recorded (served by, tokens, status)."""
     _relay_span: Any = None
     hedged = False
+    """A provider attempt ran beside the local one (overflow.policy hedge): the answer says so (x-lmfleet-hedged)."""
     _settled = False
     """The race (:meth:`_race`) has already failed or dropped the current local attempt (its slot is freed)."""
-    """A provider attempt ran beside the local one (overflow.policy hedge): the answer says so (x-lmfleet-hedged)."""
 
     def __init__(self, model: ServedModel, req: ParsedRequest, path: str, plan: Plan, prompt: PromptSize,
                  t0: float, recorder: Recorder):
