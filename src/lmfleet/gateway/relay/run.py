@@ -5,7 +5,11 @@
 
 A failure before anything reached the client moves on to the next attempt (the same backend again per
 its retry schedule, then the next backend); after the first streamed byte it ends the stream with an
-explicit error event. The run talks to backends and the recorder only; nothing calls back into the router.
+explicit error event. Under ``overflow.policy`` ttft_timeout or hedge, a streamed request's local attempt races
+the policy's timer (:meth:`RequestRun._race`, decisions by :func:`lmfleet.overflow.policies.next_step`): at the
+timer the local attempt is cancelled and the request goes on to the providers (ttft_timeout), or a provider
+attempt starts beside it and the first first token wins (hedge). The run talks to backends and the recorder
+only; nothing calls back into the router.
 The answer goes out through :mod:`~lmfleet.gateway.relay.response`, the outcome to
 :mod:`~lmfleet.gateway.observe.recorder`; the tenant's local queue slot is
 :class:`~lmfleet.gateway.front.tenancy.LocalSlot`.
