@@ -32,6 +32,12 @@ metrics report, then the gateway's 5 s poll)."""
 @pytest.fixture
 def policies(fleet):
     fleet.proxy.set_fault(mode="none")
+    # a loaded machine can leave Serve's controller restarting after start-up: these tests need the local
+    # deployment up (otherwise every policy rightly sends the request out as local_unavailable)
+    deadline = time.monotonic() + 600
+    while not fleet.admin("GET", "/admin/state").json()["models"]["smollm2"]["ready"]:
+        assert time.monotonic() < deadline, "the local deployment of smollm2 did not become ready"
+        time.sleep(2)
     yield fleet
     fleet.admin("POST", "/admin/overflow", json={"model": "smollm2", "mode": "auto", "threshold_ms": 2500,
                                                  "policy": "predictive", "ttft_timeout_ms": None,
