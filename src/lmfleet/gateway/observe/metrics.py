@@ -38,6 +38,14 @@ class GatewayMetrics:
                                     ["model"], registry=r)
         self.overflowed = Counter("lmfleet_routed", "Routing decisions by model, target and reason.",
                                   ["model", "target", "reason"], registry=r)
+        self.hedges = Counter("lmfleet_hedges", "Hedged requests (overflow.policy hedge), by model and outcome: "
+                              "started (a provider attempt beside the local one), won (the provider's first token "
+                              "came first), lost (the local one's did), failed (the provider attempt failed).",
+                              ["model", "outcome"], registry=r)
+        self.ttft_failovers = Counter("lmfleet_ttft_timeout_failovers", "Local requests cancelled at "
+                                      "overflow.ttft_timeout_ms without a first token, by model and outcome: "
+                                      "started (sent to a provider), served (the provider answered), failed (it "
+                                      "did not).", ["model", "outcome"], registry=r)
         self.model_ready = Gauge("lmfleet_model_ready", "1 when the model's local deployment is serving.",
                                  ["model"], registry=r)
         self.upstream_failures = Counter(
