@@ -9,11 +9,13 @@ import json
 import httpx
 import pytest
 
-from lmfleet.testing.gateway_fakes import make_gateway, sse_events, stream_response
-from tests.unit.test_gateway_routing import CHAT, _client, _stop_gateways, ok_local, provider_ok  # noqa: F401
+from lmfleet.testing.gateway_fakes import make_gateway, sse_events, started_client, stream_response
+from tests.unit.test_gateway_routing import CHAT, ok_local, provider_ok
 
 STREAM = {**CHAT, "stream": True}
 ADMIN = {"authorization": "Bearer adm"}
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
 
 def slow(words: list[str], delay_s: float, calls: list | None = None):
@@ -41,7 +43,7 @@ def _count(app, metric: str, **labels) -> float:
 
 async def test_hedge_after_its_timer_the_provider_wins_and_the_local_attempt_is_cancelled(tmp_path):
     app = make_gateway(tmp_path, slow(["late"], 3.0), {"p": provider_ok})
-    c = await _client(app)
+    c = await started_client(app)
     assert (await _policy(c, policy="hedge", hedge_after_ms=200)).status_code == 200
     r = await c.post("/v1/chat/completions", json=STREAM)
     assert r.status_code == 200 and "Remote" in r.text
@@ -59,7 +61,7 @@ async def test_hedge_after_its_timer_the_provider_wins_and_the_local_attempt_is_
 
 async def test_hedge_the_local_first_token_wins_and_the_provider_attempt_is_cancelled_and_paid(tmp_path):
     app = make_gateway(tmp_path, slow(["Par", "is"], 0.6), {"p": slow(["Remote"], 3.0)})
-    c = await _client(app)
+    c = await started_client(app)
     await _policy(c, policy="hedge", hedge_after_ms=200)
     r = await c.post("/v1/chat/completions", json=STREAM)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
@@ -76,7 +78,7 @@ async def test_hedge_the_local_first_token_wins_and_the_provider_attempt_is_canc
 
 async def test_hedge_a_fast_local_answer_starts_no_hedge(tmp_path):
     app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
-    c = await _client(app)
+    c = await started_client(app)
     await _policy(c, policy="hedge", hedge_after_ms=500)
     r = await c.post("/v1/chat/completions", json=STREAM)
     assert r.headers["x-lmfleet-served-by"] == "local/m" and "x-lmfleet-hedged" not in r.headers
@@ -86,7 +88,7 @@ async def test_hedge_a_fast_local_answer_starts_no_hedge(tmp_path):
 
 async def test_hedge_that_fails_leaves_the_local_attempt_to_answer(tmp_path):
     app = make_gateway(tmp_path, slow(["Par", "is"], 0.8), {"p": lambda req: httpx.Response(400, json={})})
-    c = await _client(app)
+    c = await started_client(app)
     await _policy(c, policy="hedge", hedge_after_ms=200)
     r = await c.post("/v1/chat/completions", json=STREAM)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
@@ -97,7 +99,7 @@ async def test_hedge_that_fails_leaves_the_local_attempt_to_answer(tmp_path):
 async def test_ttft_timeout_cancels_the_local_attempt_and_fails_over(tmp_path):
     calls: list = []
     app = make_gateway(tmp_path, slow(["late"], 3.0, calls), {"p": provider_ok})
-    c = await _client(app)
+    c = await started_client(app)
     await _policy(c, policy="ttft_timeout", ttft_timeout_ms=300)
     r = await c.post("/v1/chat/completions", json=STREAM)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
@@ -114,7 +116,7 @@ async def test_ttft_timeout_cancels_the_local_attempt_and_fails_over(tmp_path):
 @pytest.mark.parametrize("policy,timer", [("ttft_timeout", {"ttft_timeout_ms": 1}), ("on_error", {})])
 async def test_local_first_policies_keep_a_request_local_whatever_the_estimate(tmp_path, policy, timer):
     app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
-    c = await _client(app)
+    c = await started_client(app)
     await _policy(c, threshold_ms=0.001)  # every estimate is above it: predictive would spill
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.headers["x-lmfleet-served-by"] == "provider/p"
@@ -131,7 +133,7 @@ async def test_on_error_a_local_5xx_goes_to_the_provider_without_a_local_retry(t
         return httpx.Response(503, json={"error": {"message": "busy"}})
 
     app = make_gateway(tmp_path, down, {"p": provider_ok})
-    c = await _client(app)
+    c = await started_client(app)
     await _policy(c, policy="on_error")
     r = await c.post("/v1/chat/completions", json=STREAM)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
@@ -145,20 +147,20 @@ async def test_on_error_a_local_5xx_goes_to_the_provider_without_a_local_retry(t
     ({"policy": "ttft_timeout", "ttft_timeout_ms": -5}, "needs ttft_timeout_ms > 0"),
 ])
 async def test_admin_refuses_a_bad_policy(tmp_path, body, fragment):
-    c = await _client(make_gateway(tmp_path, ok_local, {"p": provider_ok}))
+    c = await started_client(make_gateway(tmp_path, ok_local, {"p": provider_ok}))
     r = await _policy(c, **body)
     assert r.status_code == 400 and fragment in r.text
 
 
 async def test_admin_refuses_a_policy_without_a_provider(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local))
+    c = await started_client(make_gateway(tmp_path, ok_local))
     r = await _policy(c, policy="on_error")
     assert r.status_code == 400 and "needs a provider" in r.text
 
 
 async def test_admin_sets_and_reports_the_policy(tmp_path):
     app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
-    c = await _client(app)
+    c = await started_client(app)
     r = await _policy(c, policy="hedge", hedge_after_ms=800)
     assert r.json()["models"]["m"]["policy"] == "hedge" and r.json()["models"]["m"]["hedge_after_ms"] == 800
     r = await _policy(c, policy="predictive", hedge_after_ms=None)
@@ -171,7 +173,7 @@ async def test_the_policy_comes_from_the_models_config(tmp_path):
              "overflow": {"threshold_ms": 1000, "local_first_token_timeout_s": 2, "policy": "ttft_timeout",
                           "ttft_timeout_ms": 300}}
     app = make_gateway(tmp_path, slow(["late"], 3.0), {"p": provider_ok}, extra={"models": [model]})
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json=STREAM)
     assert r.headers["x-lmfleet-served-by"] == "provider/p" and r.headers["x-lmfleet-route-reason"] == "ttft_timeout"
 
@@ -182,7 +184,7 @@ async def test_a_batch_request_is_hedged_only_when_its_tenant_may_pay(tmp_path, 
 
     app = tenant_gateway(tmp_path, {"a": {"priority": "batch", "batch_may_use_providers": may_pay}},
                          local=slow(["late"], 1.0), providers={"p": provider_ok})
-    c = await _client(app)
+    c = await started_client(app)
     await _policy(c, policy="hedge", hedge_after_ms=100)
     r = await c.post("/v1/chat/completions", json=STREAM, headers=key("a"))
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == served_by
