@@ -9,7 +9,7 @@ The load (locust's shape, several aiohttp client processes):
 - the mix: ``--short-frac`` short chats (prompt ``--short-prompt`` words, ``--short-out`` tokens out) and the rest
   long analyses (prompt ``--long-prompt`` words, ``--long-out`` tokens out).
 
-The fake engine (tests/support/fast_openai_server.py, ``--fake-workers`` processes) streams token by token at an
+The fake engine (src/lmfleet/testing/fast_openai_server.py, ``--fake-workers`` processes) streams token by token at an
 inter-token time drawn per stream from uniform(``--itl-ms``), after a TTFT of ``--ttft-ms`` plus
 ``--ttft-ms-per-prompt-token`` per prompt word. Paths (``--paths``): ``direct`` (the fake), ``gwN`` (lmfleet's
 gateway with N worker processes on one port, built as ``lmfleet serve`` builds it, with no Ray: its model's only
@@ -52,12 +52,10 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from lmfleet.net import free_port
+from lmfleet.testing.relay_load import cpu_s, http_json, make_gateway_app
 
-from bench_relay import cpu_s, free_port, http_json, make_gateway_app  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MARKS = (b'"choices":[{', b'"choices": [{')  # one per token event (the usage event has "choices":[])
 GAP_BIN_S = 1e-4  # inter-token gaps are counted in 0.1 ms bins up to GAP_MAX_S
@@ -573,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_worker(args.serve_worker, args.fake_url)
         return 0
     from lmfleet.models import resolve_source
-    from tests.support.fast_openai_server import FastServer
+    from lmfleet.testing.fast_openai_server import FastServer
 
     shape = Shape(short_frac=args.short_frac, short_prompt=parse_range(args.short_prompt),
                   short_out=parse_range(args.short_out), long_prompt=parse_range(args.long_prompt),

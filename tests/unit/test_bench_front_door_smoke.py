@@ -20,7 +20,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_front_door as fd  # noqa: E402
 
-from tests.support.fast_openai_server import FastServer, free_port  # noqa: E402
+from lmfleet.net import free_port  # noqa: E402
+from lmfleet.testing.fast_openai_server import FastServer  # noqa: E402
 
 NO_ENGINE = "import sys\nfor m in ('ray', 'vllm'):\n    sys.modules[m] = None  # import fails, as where not installed\n"
 
