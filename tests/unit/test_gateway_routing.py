@@ -78,7 +78,7 @@ async def test_context_error_names_both_numbers(tmp_path):
 async def test_prompt_count_runs_alongside_the_upstream_call_and_its_400_wins(tmp_path, stream):
     """The bound (bytes) cannot prove these fit in 20 tokens: the count runs while the request goes upstream,
     and the answer waits for it."""
-    c = await _client(make_gateway(tmp_path, ok_local, max_model_len=20))
+    c = await started_client(make_gateway(tmp_path, ok_local, max_model_len=20))
     r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 15, "stream": stream})
     assert r.status_code == 400 and "7 in the prompt" in r.json()["error"]["message"]
     for _ in range(3):  # the abandoned upstream calls freed their slots
