@@ -154,7 +154,7 @@ async def _client(plan: ClientPlan) -> dict:
     t0 = loop.time() + (plan.t0_wall - time.time())
     ws, we = t0 + plan.warmup_s, t0 + plan.warmup_s + plan.duration_s
     rng = random.Random(plan.seed)
-    st = {"tokens": 0, "requests": 0, "errors": 0, "sent": 0, "ttft_excess": [], "ttft": [], "late": [],
+    st = {"tokens": 0, "requests": 0, "errors": 0, "sent": 0, "ttft_excess": [], "ttft_excess_by_kind": {"short": [], "long": []}, "ttft": [], "late": [],
           "lag": [], "gaps": [0] * int(GAP_MAX_S / GAP_BIN_S), "error_kinds": Counter()}
     url = plan.url + "/v1/chat/completions"
     headers = {"content-type": "application/json"}
@@ -168,7 +168,7 @@ async def _client(plan: ClientPlan) -> dict:
         if in_win:
             st["late"].append(sent - due)
             st["sent"] += 1
-        _kind, words, max_tokens = draw_request(rng, plan.shape)
+        kind, words, max_tokens = draw_request(rng, plan.shape)
         expect = (plan.ttft_ms + plan.ttft_ms_per_word * words) / 1000
         try:
             async with session.post(url, data=chat_body(words, max_tokens), headers=headers) as resp:
@@ -189,6 +189,7 @@ async def _client(plan: ClientPlan) -> dict:
                         if in_win:
                             st["ttft"].append(now - sent)
                             st["ttft_excess"].append(now - sent - expect)
+                            st["ttft_excess_by_kind"][kind].append(now - sent - expect)
                     elif ws <= now < we:
                         st["gaps"][min(int((now - last) / GAP_BIN_S), nbins - 1)] += 1
                     last = now
@@ -452,7 +453,9 @@ def summarise(name: str, results: list[dict], duration: float, wall: float, *, h
         "sent": sum(r["sent"] for r in results), "errors": sum(r["errors"] for r in results),
         "error_kinds": dict(errors),
         "ttft_p50_ms": pct([x for r in results for x in r["ttft"]], 0.5) * 1000,
-        "ttft_excess_ms": {q: pct(excess, v) * 1000 for q, v in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))},
+        "ttft_excess_ms": _pcts_ms(excess),
+        "ttft_excess_by_kind_ms": {k: _pcts_ms([x for r in results for x in r["ttft_excess_by_kind"][k]])
+                                   for k in KINDS},
         "gap_ms": {q: hist_pct(gaps, v) * 1000 for q, v in (("p50", 0.5), ("p99", 0.99), ("p999", 0.999))},
         "hop_cores": hop_cpu / wall, "hop_ms_per_1k_tokens": hop_cpu * 1000 / max(tokens, 1) * 1000,
         "fake_cores": fake_cpu / wall, "client_cores": sum(client_cpu) / wall,
@@ -465,6 +468,13 @@ def summarise(name: str, results: list[dict], duration: float, wall: float, *, h
     }
 
 
+KINDS = ("short", "long")
+
+
+def _pcts_ms(xs: list[float]) -> dict[str, float]:
+    return {q: pct(xs, v) * 1000 for q, v in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
+
+
 def add_vs_direct(rows: list[dict]) -> None:
     """Fill in each row's added TTFT / gap against the direct row of the same load."""
     direct = {r["load"]: r for r in rows if r["path"] == "direct"}
@@ -473,6 +483,10 @@ def add_vs_direct(rows: list[dict]) -> None:
         if d is None:
             continue
         r["added_ttft_ms"] = {q: r["ttft_excess_ms"][q] - d["ttft_excess_ms"][q] for q in ("p50", "p95", "p99")}
+        if "ttft_excess_by_kind_ms" in r and "ttft_excess_by_kind_ms" in d:
+            mine, theirs = r["ttft_excess_by_kind_ms"], d["ttft_excess_by_kind_ms"]
+            r["added_ttft_by_kind_ms"] = {k: {q: mine[k][q] - theirs[k][q] for q in ("p50", "p95", "p99")}
+                                          for k in KINDS}
         r["added_gap_p99_ms"] = r["gap_ms"]["p99"] - d["gap_ms"]["p99"]
         r["tokens_vs_direct"] = r["tokens_s"] / max(d["tokens_s"], 1e-9)
 
@@ -500,14 +514,17 @@ def print_table(rows: list[dict], header: str) -> None:
     print()
     print(header)
     cols = (f"{'path':8s} {'load':11s} {'tok/s':>8s} {'xdirect':>7s} {'req/s':>7s} {'+TTFT p50/p95/p99 ms':>21s} "
-            f"{'gap p99':>7s} {'+gap99':>6s} {'hop cores':>9s} {'ms/1k tok':>9s} {'fake':>5s} {'client':>6s} "
+            f"{'+TTFT p99 short/long':>19s} {'gap p99':>7s} {'+gap99':>6s} {'hop cores':>9s} {'ms/1k tok':>9s} {'fake':>5s} {'client':>6s} "
             f"{'busiest':>7s} {'late p99/max ms':>15s} {'lag p99':>7s} {'errs':>4s}")
     print(cols)
     print("-" * len(cols))
     for r in rows:
-        a = r.get("added_ttft_ms", {"p50": float("nan"), "p95": float("nan"), "p99": float("nan")})
+        nan = {"p50": float("nan"), "p95": float("nan"), "p99": float("nan")}
+        a = r.get("added_ttft_ms", nan)
+        by = r.get("added_ttft_by_kind_ms", {k: nan for k in KINDS})
         print(f"{r['path']:8s} {r['load']:11s} {r['tokens_s']:8.0f} {r.get('tokens_vs_direct', float('nan')):7.3f} "
-              f"{r['requests_s']:7.1f} {a['p50']:6.2f}/{a['p95']:6.2f}/{a['p99']:7.2f} {r['gap_ms']['p99']:7.1f} "
+              f"{r['requests_s']:7.1f} {a['p50']:6.2f}/{a['p95']:6.2f}/{a['p99']:7.2f} "
+              f"{by['short']['p99']:9.2f}/{by['long']['p99']:9.2f} {r['gap_ms']['p99']:7.1f} "
               f"{r.get('added_gap_p99_ms', float('nan')):6.1f} {r['hop_cores']:9.2f} "
               f"{r['hop_ms_per_1k_tokens'] if r['path'] != 'direct' else float('nan'):9.1f} {r['fake_cores']:5.2f} "
               f"{r['client_cores']:6.2f} {r['client_busiest_core']:7.2f} "
@@ -642,8 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     add_vs_direct(rows)
     print_table(rows, header)
     print("added TTFT / +gap99: the path's percentile of (TTFT - the fake's own TTFT) or of inter-token gaps, minus "
-          "direct's; late: client sends after their schedule; busiest: CPU of the busiest client process (1.0 = a "
-          "full core)")
+          "direct's (short/long: of the short chats' and the long analyses' TTFT alone); "
+          "late: client sends after their schedule; busiest: CPU of the busiest client process (1.0 = a full core)")
     if profile:
         print(f"\n# py-spy on one {profile['path']} worker, {profile['samples']} samples "
               f"({profile['row']['tokens_s']:.0f} tok/s in that phase)")

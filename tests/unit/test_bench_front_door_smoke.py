@@ -68,13 +68,17 @@ def test_closed_loop_demand_estimate():
 def test_added_latency_is_against_direct_of_the_same_load():
     def row(path, load, p99, gap99, tok):
         return {"path": path, "load": load, "tokens_s": tok, "gap_ms": {"p99": gap99},
-                "ttft_excess_ms": {"p50": p99 / 2, "p95": p99, "p99": p99}}
+                "ttft_excess_ms": {"p50": p99 / 2, "p95": p99, "p99": p99},
+                "ttft_excess_by_kind_ms": {"short": {"p50": 0.0, "p95": 0.0, "p99": p99 / 4},
+                                           "long": {"p50": 0.0, "p95": 0.0, "p99": p99}}}
 
     rows = [row("direct", "closed", 2.0, 30.0, 100.0), row("gw1", "closed", 5.0, 31.5, 90.0),
             row("gw1", "open 5/s", 9.0, 40.0, 10.0)]
     fd.add_vs_direct(rows)
     assert rows[1]["added_ttft_ms"]["p99"] == pytest.approx(3.0)
     assert rows[1]["added_gap_p99_ms"] == pytest.approx(1.5)
+    assert rows[1]["added_ttft_by_kind_ms"]["short"]["p99"] == pytest.approx(0.75)
+    assert rows[1]["added_ttft_by_kind_ms"]["long"]["p99"] == pytest.approx(3.0)
     assert rows[1]["tokens_vs_direct"] == pytest.approx(0.9)
     assert "added_ttft_ms" not in rows[2]  # no direct row for that load
 

@@ -74,6 +74,18 @@ async def test_context_error_names_both_numbers(tmp_path):
     assert r.status_code == 400 and "20" in msg and "15" in msg and "7 in the prompt" in msg
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prompt_count_runs_alongside_the_upstream_call_and_its_400_wins(tmp_path, stream):
+    """The bound (bytes) cannot prove these fit in 20 tokens: the count runs while the request goes upstream,
+    and the answer waits for it."""
+    c = await started_client(make_gateway(tmp_path, ok_local, max_model_len=20))
+    r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 15, "stream": stream})
+    assert r.status_code == 400 and "7 in the prompt" in r.json()["error"]["message"]
+    for _ in range(3):  # the abandoned upstream calls freed their slots
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 13, "stream": stream})
+        assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
+
+
 async def test_completions_prompt_too_long_without_max_tokens(tmp_path):
     c = await started_client(make_gateway(tmp_path, ok_local, max_model_len=5))
     r = await c.post("/v1/completions", json={"model": "m", "prompt": "a b c d e f"})

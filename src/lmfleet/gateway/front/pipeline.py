@@ -148,7 +148,12 @@ class OpenAIRoutes:
             req, model = self.validate(kind, body)
             cls = self.tenancy.admit(tenant, model.name, request.headers)
             size = await self.size(req, model)
-            plan = await self.gw.router.route(model, tenant, cls, size.tokens)
+            try:
+                plan = await self.gw.router.route(model, tenant, cls, size.tokens)
+            except BaseException:
+                if size.exact is not None:
+                    size.exact.cancel()
+                raise
             self.gw.metrics.observe_prepare(model.name, time.monotonic() - t0)  # the gateway phase (lmfleet profile)
             return RequestRun(model, req, path, plan, size, t0, self.gw.recorder)
         except GatewayError as e:
@@ -178,7 +183,7 @@ class OpenAIRoutes:
         status = 200
         try:
             try:
-                answer = await (run.stream() if run.req.stream else run.unary())
+                answer = await run.answer()
             except GatewayError as e:
                 status = e.status
                 run.recorder.count_error(run.req.model, e.status, run.ticket.tenant if run.ticket else None)

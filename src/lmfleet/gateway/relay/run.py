@@ -1,7 +1,7 @@
 """One request's run: try the planned backends in order, relay the answer, record the outcome.
 
     run = RequestRun(model, req, path, plan, prompt_size, t0, recorder)
-    return await (run.stream() if req.stream else run.unary())
+    return await run.answer()
 
 A failure before anything reached the client moves on to the next attempt (the same backend again per
 its retry schedule, then the next backend); after the first streamed byte it ends the stream with an
@@ -99,6 +99,7 @@ class RequestRun:
         self.m, self.req, self.path, self.plan = model, req, path, plan
         self.prompt_tokens, self.t0, self.recorder = prompt.tokens, t0, recorder
         self.prompt_upper = prompt.upper
+        self.exact_prompt, self._count_prompt = prompt.exact, prompt.count
         self.deadline = t0 + model.app.cfg.deployment.request_timeout_s
         self.reason: Reason = plan.reason
         self.request_id = f"{_ID_PREFIX}{next(_ids):x}"
@@ -126,8 +127,42 @@ class RequestRun:
         self._record(b, slot, Outcome(b.label, self.reason.value, usage[0], usage[1]))
         return Response(raw, media_type="application/json", headers=self._headers(b))
 
+    async def answer(self) -> Any:
+        """The answer (:meth:`stream` or :meth:`unary`); with the prompt's count still pending, the upstream call
+        runs alongside it and the count (or its context-length 400) is settled before the answer is returned."""
+        work = self.stream() if self.req.stream else self.unary()
+        if self.exact_prompt is None:
+            return await work
+        up = asyncio.ensure_future(work)
+        try:
+            await self._exact_prompt()
+        except BaseException:
+            up.cancel()
+            await asyncio.wait([up])
+            if not up.cancelled():
+                up.exception()  # retrieved: the count's answer (400, or the client leaving) is the one that counts
+            raise
+        return await up
+
+    async def _exact_prompt(self) -> None:
+        """Settle the prompt's exact count (started now unless already running); reservations use it from here."""
+        if self.exact_prompt is None:
+            assert self._count_prompt is not None
+            self.exact_prompt = asyncio.ensure_future(self._count_prompt())
+        n = await self.exact_prompt
+        if n is not None:
+            self.prompt_tokens = self.prompt_upper = n
+        self._count_prompt = None
+
     async def stream(self) -> Response:
         b, slot, st = await self._first_success(lambda ep: open_stream(ep, self.path, self.req.body), race=True)
+        if self.exact_prompt is not None:  # nothing goes to the client before the prompt is known to fit
+            try:
+                await self.exact_prompt
+            except BaseException:
+                await st.aclose()
+                b.cancel(slot)
+                raise
         ttft = time.monotonic() - self.t0
         b.first_token(slot)
         if self.span is not None:
@@ -161,6 +196,8 @@ class RequestRun:
                 await asyncio.sleep(min(b.backoff_s(k, self.last_error), self._remaining()))
             if self._remaining() <= 0:
                 break
+            if b is not self.m.local and self._count_prompt is not None:
+                await self._exact_prompt()  # a provider's budget reserves on the count, not on the bound
             slot = await b.acquire(Ask(f"{self.request_id}-{attempt}", self.prompt_tokens, self.prompt_upper,
                                        self.req.max_tokens, self.m.app.max_model_len, self.plan.spend_caps))
             attempt += 1

@@ -3,8 +3,10 @@ state, and how large a request's prompt is for it (:meth:`ServedModel.prompt_siz
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from lmfleet.engine.app import ModelApp
@@ -56,23 +58,38 @@ class ServedModel:
         """The prompt's size in tokens; 400 when prompt + max_tokens cannot fit in the context.
 
         When a bound computed without tokenizing proves that it fits (short chats against a long context: the
-        common case), the tokenizer is skipped and an estimate stands in for the count; tokenizing costs about
-        a millisecond of the event loop per request (measured by benchmarks/bench_relay.py's profile).
+        common case), the tokenizer is skipped and an estimate stands in for the count. Otherwise (long prompts)
+        the count starts in a worker thread and the size carries it as :attr:`PromptSize.exact`: the request
+        goes upstream meanwhile and :meth:`~lmfleet.gateway.relay.run.RequestRun.answer` awaits the count (and
+        its 400) before anything reaches the client, so counting hides behind the engine's prefill instead of
+        adding to the time to first token (benchmarks/bench_front_door.py).
         """
         limit = self.app.max_model_len
         if self._template_overhead is None:
             self._template_overhead = template_overhead(self.tokenizer) if self.tokenizer is not None else 0
         bounds = token_bounds(req.kind, req.body, self._template_overhead)
-        if self.tokenizer is not None and limit and bounds is not None and bounds[0] + (req.max_tokens or 1) <= limit:
-            return PromptSize(bounds[1], bounds[0])
-        n = await count_prompt_tokens(self.tokenizer, req.kind, req.body)
-        if n is not None and limit:
-            check_context(n, req.max_tokens, limit)
+        if self.tokenizer is not None and bounds is not None:
+            tok = self.tokenizer
+
+            def count() -> Awaitable[int | None]:
+                return checked_count(tok, req, limit)
+            if limit and bounds[0] + (req.max_tokens or 1) <= limit:
+                return PromptSize(bounds[1], bounds[0], count=count)
+            return PromptSize(bounds[1], bounds[0], asyncio.ensure_future(count()), count)
+        n = await checked_count(self.tokenizer, req, limit)
         if n is not None:
             return PromptSize(n, n)
         # no tokenizer: a bound with room for an unknown chat template, else the context itself
         upper = bounds[0] + UNKNOWN_TEMPLATE_TOKENS if bounds is not None else limit
         return PromptSize(bounds[1] if bounds is not None else 0, upper)
+
+
+async def checked_count(tok: Any | None, req: ParsedRequest, limit: int | None) -> int | None:
+    """The prompt's exact token count (None: no tokenizer); 400 when prompt + max_tokens exceed ``limit``."""
+    n = await count_prompt_tokens(tok, req.kind, req.body)
+    if n is not None and limit:
+        check_context(n, req.max_tokens, limit)
+    return n
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,10 @@ class PromptSize:
     """The count (exact when the tokenizer ran, else an estimate): for records and the load tracker."""
     upper: int | None
     """Never below the real count (None: unknown): for budget reservations, which must not under-hold."""
+    exact: asyncio.Future[int | None] | None = None
+    """The exact count while it is being computed (raises the context-length 400); None: nothing pending."""
+    count: Callable[[], Awaitable[int | None]] | None = None
+    """Computes the exact count where :attr:`tokens` is an estimate (a paid provider's reservation wants it)."""
 
 
 UNKNOWN_TEMPLATE_TOKENS = 512
