@@ -29,8 +29,6 @@ SMOKE = [
 HELP_ONLY = ["bench_gateway.py", "bench_overflow.py", "bench_gateways_overload.py", "bench_prefix_routing.py",
              "bench_vs_vllm.py", "planner_vs_vllm.py", "soak_gateway.py", "gpu_proof.py", "bench_budget_store.py"]
 
-# smoke-tested end to end by a test of their own
-
 
 def run(script: str, args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=cwd, capture_output=True,
