@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from lmfleet.overflow import Ledger
+from lmfleet.store import Ledger
 from tests.e2e.conftest import PROVIDER_KEY
 
 pytestmark = pytest.mark.e2e
