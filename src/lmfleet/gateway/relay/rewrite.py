@@ -51,7 +51,7 @@ def rewrite(batch: list[bytes], usage: tuple[int, int] | None, done: bool, renam
                     continue
                 obj.pop("usage", None)
                 e = event_bytes(obj)
-        if rename is not None and b'"model":' in e:
+        if rename is not None and b'"model"' in e:
             obj = sse.event_json(e)
             if obj is not None:
                 obj["model"] = rename
