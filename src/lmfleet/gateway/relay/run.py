@@ -167,7 +167,8 @@ class RequestRun:
                                    headers={**self.plan.headers, "retry-after": "1"}) from None
             except BaseException:  # the client went away (cancellation): free the slot, the upstream call is closed
                 b.cancel(slot)
-                self._record(b, slot, Outcome(b.label, self.reason.value, self.prompt_tokens, 0, None, CANCELLED))
+                self._record(b, slot, Outcome(b.label, self.reason.value, self.prompt_tokens, 0, None, CANCELLED,
+                                              usage_source=ESTIMATED))
                 raise
         if self._queue_expired() and self._remaining() > 0:
             raise self._deadline_passed()
