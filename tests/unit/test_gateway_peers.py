@@ -334,7 +334,7 @@ def test_peer_board_shares_the_overflowing_flag():
 
 
 def test_served_model_forgets_a_stale_peer_flag():
-    from lmfleet.gateway.routing.router import ServedModel
+    from lmfleet.gateway.routing.served import ServedModel
 
     m = ServedModel.__new__(ServedModel)
     m._peers_overflowing = (0.0, False)

@@ -20,6 +20,7 @@ Where things are::
 
     routing/               where a request may go
       router.py            the routing decision: an ordered list of backends per request (+ tenant limits)
+      served.py            ServedModel: a served model's backends and routing state; a request's prompt size
       backends.py          LocalBackend (a Ray Serve deployment), ProviderBackend (an external provider)
       budget.py            exact spend caps: reservations before a paid request is sent
       health.py            readiness of each model's local deployment (Serve's status, polled)

@@ -27,7 +27,8 @@ from lmfleet.gateway.routing.backends import LocalBackend, ProviderBackend
 from lmfleet.gateway.routing.health import HealthBoard
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.routing.pollers import EngineStatsPoller
-from lmfleet.gateway.routing.router import Router, ServedModel
+from lmfleet.gateway.routing.router import Router
+from lmfleet.gateway.routing.served import ServedModel
 from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.observe.recorder import Recorder
 from lmfleet.gateway.service import Gateway

@@ -46,7 +46,7 @@ from lmfleet.gateway.front.validation import (
 from lmfleet.gateway.relay.disconnect import DisconnectWatch
 from lmfleet.gateway.relay.response import RelayResponse, send_whole
 from lmfleet.gateway.relay.run import RequestRun
-from lmfleet.gateway.routing.router import PromptSize, ServedModel
+from lmfleet.gateway.routing.served import PromptSize, ServedModel
 from lmfleet.gateway.service import Gateway
 from lmfleet.tenants import Tenant
 

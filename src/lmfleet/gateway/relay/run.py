@@ -37,7 +37,8 @@ from lmfleet.gateway.relay.upstream import STREAM_ERRORS, Endpoint, OpenStream, 
 from lmfleet.gateway.relay.usage import ESTIMATED, PROVIDER, answer_text, answered_model, count_usage, estimate, \
     stream_text
 from lmfleet.gateway.routing.backends import Ask, Backend
-from lmfleet.gateway.routing.router import Plan, PromptSize, ServedModel
+from lmfleet.gateway.routing.router import Plan
+from lmfleet.gateway.routing.served import PromptSize, ServedModel
 from lmfleet.overflow import Reason
 from lmfleet.tenants.queue import QueueFull
 

@@ -1,0 +1,83 @@
+"""A model the gateway serves (:class:`ServedModel`): its resolved record, tokenizer, backends and live routing
+state, and how large a request's prompt is for it (:meth:`ServedModel.prompt_size`, the pipeline's size stage)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmfleet.engine.app import ModelApp
+from lmfleet.gateway.front.validation import ParsedRequest, check_context
+from lmfleet.gateway.routing.backends import LocalBackend, ProviderBackend
+from lmfleet.gateway.routing.tokens import count_prompt_tokens, template_overhead, token_bounds
+from lmfleet.overflow import HysteresisState, OverflowMode
+from lmfleet.tenants.queue import DispatchQueue
+
+
+@dataclass
+class ServedModel:
+    """A model the gateway serves: its resolved record, tokenizer, backends and live routing state."""
+
+    app: ModelApp
+    tokenizer: Any | None
+    local: LocalBackend
+    providers: list[ProviderBackend]
+    """Providers that may take its overflow, in priority order (``overflow.providers_for``)."""
+    threshold_ms: float
+    mode: OverflowMode = OverflowMode.AUTO
+    hysteresis: HysteresisState = field(default_factory=HysteresisState)
+    last_estimate_ms: float = 0.0
+    queue: DispatchQueue | None = None
+    """The priority queue in front of its local slots (None: no tenants configured; Serve's FIFO queue only)."""
+    _peers_overflowing: tuple[float, bool] = field(default=(0.0, False), repr=False)
+
+    PEERS_OVERFLOWING_TTL_S = 2.0
+    """A peer's overflowing flag older than this (the registry stopped answering) no longer counts."""
+
+    def set_peers_overflowing(self, flag: bool, now: float) -> None:
+        """Another gateway of the fleet reports this model overflowing
+        (:class:`~lmfleet.gateway.routing.peers.PeerBoard`; ``now`` on the monotonic clock)."""
+        self._peers_overflowing = (now, flag)
+
+    def peers_overflowing(self, now: float | None = None) -> bool:
+        at, flag = self._peers_overflowing
+        return flag and (time.monotonic() if now is None else now) - at <= self.PEERS_OVERFLOWING_TTL_S
+    _template_overhead: int | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.app.name
+
+    async def prompt_size(self, req: ParsedRequest) -> PromptSize:
+        """The prompt's size in tokens; 400 when prompt + max_tokens cannot fit in the context.
+
+        When a bound computed without tokenizing proves that it fits (short chats against a long context: the
+        common case), the tokenizer is skipped and an estimate stands in for the count; tokenizing costs about
+        a millisecond of the event loop per request (measured by benchmarks/bench_relay.py's profile).
+        """
+        limit = self.app.max_model_len
+        if self._template_overhead is None:
+            self._template_overhead = template_overhead(self.tokenizer) if self.tokenizer is not None else 0
+        bounds = token_bounds(req.kind, req.body, self._template_overhead)
+        if self.tokenizer is not None and limit and bounds is not None and bounds[0] + (req.max_tokens or 1) <= limit:
+            return PromptSize(bounds[1], bounds[0])
+        n = await count_prompt_tokens(self.tokenizer, req.kind, req.body)
+        if n is not None and limit:
+            check_context(n, req.max_tokens, limit)
+        if n is not None:
+            return PromptSize(n, n)
+        # no tokenizer: a bound with room for an unknown chat template, else the context itself
+        upper = bounds[0] + UNKNOWN_TEMPLATE_TOKENS if bounds is not None else limit
+        return PromptSize(bounds[1] if bounds is not None else 0, upper)
+
+
+@dataclass(frozen=True)
+class PromptSize:
+    tokens: int
+    """The count (exact when the tokenizer ran, else an estimate): for records and the load tracker."""
+    upper: int | None
+    """Never below the real count (None: unknown): for budget reservations, which must not under-hold."""
+
+
+UNKNOWN_TEMPLATE_TOKENS = 512
