@@ -10,7 +10,7 @@ import pytest
 from lmfleet.gateway.relay import sse
 from lmfleet.gateway.relay.rewrite import rewrite, take_usage
 from lmfleet.gateway.relay.upstream import parse_duration, retry_after_from
-from lmfleet.gateway.relay.usage import answer_text, answered_model, count_usage, stream_text
+from lmfleet.gateway.relay.usage import StreamText, answer_text, answered_model, count_usage, stream_text
 from tests.unit.gateway_fakes import CountingTokenizer
 
 U = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
@@ -143,3 +143,16 @@ def test_retry_after_from_provider_headers(headers, seconds):
 
     got = retry_after_from(CIMultiDict(headers))
     assert got == (pytest.approx(seconds) if seconds is not None else None)
+
+
+@pytest.mark.parametrize("compact_bytes", [1, 100, 1 << 20])
+def test_stream_text_keeps_the_same_text_whenever_it_compacts(compact_bytes):
+    blocks = [ev({"choices": [{"index": 0, "delta": {"content": f" w{i}"}}]}) for i in range(50)]
+    kept = StreamText(compact_bytes)
+    for b in blocks:
+        kept.add(b)
+    assert kept.text() == "".join(f" w{i}" for i in range(50)) == stream_text(blocks)
+
+
+def test_count_usage_of_a_stream_whose_text_was_not_kept_counts_its_chunks():
+    assert count_usage(CountingTokenizer(), "completions", {"prompt": "a b"}, None, 0, 7) == (2, 7)

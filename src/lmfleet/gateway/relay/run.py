@@ -34,8 +34,8 @@ from lmfleet.gateway.relay import sse
 from lmfleet.gateway.relay.response import RelayResponse
 from lmfleet.gateway.relay.rewrite import rewrite, take_usage
 from lmfleet.gateway.relay.upstream import STREAM_ERRORS, Endpoint, OpenStream, complete, open_stream
-from lmfleet.gateway.relay.usage import ESTIMATED, PROVIDER, answer_text, answered_model, count_usage, estimate, \
-    stream_text
+from lmfleet.gateway.relay.usage import ESTIMATED, PROVIDER, StreamText, answer_text, answered_model, count_usage, \
+    estimate
 from lmfleet.gateway.routing.backends import Ask, Backend
 from lmfleet.gateway.routing.router import Plan
 from lmfleet.gateway.routing.served import PromptSize, ServedModel
@@ -239,14 +239,15 @@ class RequestRun:
 
         Most reads (a local model's token events) pass through untouched after a few substring scans; only
         a read that carries the usage event, an error event, or a provider's own model name is parsed
-        (``answered``: the name its first events carry). The blocks are kept (references, no copies) until
-        the end, to count the answer's tokens should no usage arrive.
+        (``answered``: the name its first events carry). A provider's blocks are kept (:class:`StreamText`) to
+        count the answer's tokens should no usage arrive; a local engine always sends usage (its chunks count
+        otherwise), and its token events are not held or parsed.
         """
         usage: tuple[int, int] | None = None
         chunks = 0
         done = False
         status = 200
-        seen: list[bytes] = []
+        seen = StreamText() if b is not self.m.local else None
         renamed = st.endpoint.upstream_model != self.req.model or answered not in (None, self.req.model)
         rename = self.req.model if renamed else None
         try:
@@ -266,7 +267,8 @@ class RequestRun:
                         done = done or sse.DONE in block
                     chunks += n
                     if block:  # one write, no waiting for more
-                        seen.append(block)
+                        if seen is not None:
+                            seen.add(block)
                         yield block
             if not done and status == 200:
                 status = 502
@@ -290,7 +292,8 @@ class RequestRun:
             source = PROVIDER
             if usage is None:  # never free: counted with the model's tokenizer
                 source = ESTIMATED
-                args = (self.m.tokenizer, self.req.kind, self.req.body, stream_text(seen), self.prompt_tokens, chunks)
+                text = seen.text() if seen is not None else None
+                args = (self.m.tokenizer, self.req.kind, self.req.body, text, self.prompt_tokens, chunks)
                 # a client that left cancels the task: counted here and now, no await that could be cut short
                 usage = count_usage(*args) if status == CANCELLED else await estimate(*args)
             in_tokens, out_tokens = usage

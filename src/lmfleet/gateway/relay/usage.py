@@ -70,6 +70,29 @@ def answer_text(obj: Any) -> str:
     return "".join(choice_text(obj))
 
 
+class StreamText:
+    """A stream's blocks kept (references, no copies) to count its answer should no usage arrive. Past
+    ``compact_bytes`` of kept events they are boiled down to their text, so a long answer holds about its
+    text, not its SSE framing; a short one is never parsed unless it is counted."""
+
+    def __init__(self, compact_bytes: int = 256 * 1024) -> None:
+        self.compact_bytes = compact_bytes
+        self._blocks: list[bytes] = []
+        self._kept = 0
+        self._text: list[str] = []
+
+    def add(self, block: bytes) -> None:
+        self._blocks.append(block)
+        self._kept += len(block)
+        if self._kept > self.compact_bytes:
+            self._text.append(stream_text(self._blocks))
+            self._blocks.clear()
+            self._kept = 0
+
+    def text(self) -> str:
+        return "".join(self._text) + stream_text(self._blocks)
+
+
 def answered_model(head: bytes) -> str | None:
     """The model an answer names in its first ``"model"`` field (None: none), read without parsing JSON."""
     m = _MODEL.search(head)
@@ -92,25 +115,33 @@ def prompt_extra(body: dict[str, Any]) -> str:
     return json.dumps(tools, separators=(",", ":")) if tools else ""
 
 
-def count_usage(tok: Any | None, kind: str, body: dict[str, Any], text: str, prompt_guess: int,
+def count_usage(tok: Any | None, kind: str, body: dict[str, Any], text: str | None, prompt_guess: int,
                 chunks: int = 0) -> tuple[int, int]:
     """(prompt tokens, completion tokens) of an answer without usage: the prompt as sent (messages and tool
     definitions) and ``text`` (what was generated) counted with the model's tokenizer. Without one:
-    ``prompt_guess`` and 4 characters a token (at least one token per streamed chunk)."""
+    ``prompt_guess`` and 4 characters a token (at least one token per streamed chunk). ``text`` None (not
+    kept): one token per streamed chunk, as a local engine streams."""
+    if text is None:
+        completion = chunks
+    elif tok is None:
+        completion = max(chunks, (len(text) + 3) // 4)
+    else:
+        completion = count_text(tok, text)
     if tok is None:
-        return prompt_guess, max(chunks, (len(text) + 3) // 4)
+        return prompt_guess, completion
     if kind == "chat":
         messages = body.get("messages")
         prompt = count_chat(tok, messages) if isinstance(messages, list) else prompt_guess
         prompt += count_text(tok, prompt_extra(body))
     else:
         prompt = count_completion(tok, body.get("prompt"))
-    return prompt, count_text(tok, text)
+    return prompt, completion
 
 
-async def estimate(tok: Any | None, kind: str, body: dict[str, Any], text: str, prompt_guess: int,
+async def estimate(tok: Any | None, kind: str, body: dict[str, Any], text: str | None, prompt_guess: int,
                    chunks: int = 0) -> tuple[int, int]:
     """:func:`count_usage`, in a worker thread when the prompt or the answer is long (off the event loop)."""
-    if tok is not None and len(text) + len(json.dumps(body.get("messages") or body.get("prompt"))) > _OFFLOAD_CHARS:
+    size = len(text or "") + len(json.dumps(body.get("messages") or body.get("prompt")))
+    if tok is not None and size > _OFFLOAD_CHARS:
         return await asyncio.to_thread(count_usage, tok, kind, body, text, prompt_guess, chunks)
     return count_usage(tok, kind, body, text, prompt_guess, chunks)
