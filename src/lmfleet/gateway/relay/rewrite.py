@@ -55,6 +55,8 @@ def rewrite(batch: list[bytes], usage: tuple[int, int] | None, done: bool, renam
             obj = sse.event_json(e)
             if obj is not None:
                 obj["model"] = rename
+                if not wants_usage and "usage" in obj and obj["usage"] is None:  # sent because the gateway asked
+                    del obj["usage"]
                 e = event_bytes(obj)
         if sse.has_choices(e):
             chunks += 1
