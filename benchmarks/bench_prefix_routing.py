@@ -22,7 +22,7 @@ Two engines on a 2-core machine: each engine gets one OpenMP thread and no CPU b
 puts them on separate cores. With HAProxy (direct streaming, lmfleet's default), `lmfleet serve` itself sets
 RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 (lmfleet.engine.routing.routing_env): without it HAProxy does not
 hand the prompt to Serve's router and prefix_aware routes blind. Under HAProxy, `default` is HAProxy's own
-`leastconn` with no ingress router (since 2026-12-01 session 9; Ray's RoundRobinRouter before; docs/routing.md).
+`leastconn` with no ingress router (docs/routing.md).
 
 Output tok/s counts the tokens of requests started after --warmup, over the phase's wall time after --warmup.
 """
@@ -41,15 +41,15 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gateways_overload import Procs, wait_http  # noqa: E402
-from bench_overflow import BIN, REPO, free_port  # noqa: E402
+from lmfleet.bench.loadgen import LoadPlan, RequestRecord, Target, run_load
+from lmfleet.bench.metrics import percentile
+from lmfleet.bench.workload import PromptSynthesizer, parse_mix_inline, sample_requests
+from lmfleet.net import free_port
+from lmfleet.overflow.engine_stats import ReplicaStats, since
+from lmfleet.testing.fleet import Procs, wait_http
 
-from lmfleet.bench.loadgen import LoadPlan, RequestRecord, Target, run_load  # noqa: E402
-from lmfleet.bench.metrics import percentile  # noqa: E402
-from lmfleet.bench.workload import PromptSynthesizer, parse_mix_inline, sample_requests  # noqa: E402
-from lmfleet.overflow.engine_stats import ReplicaStats, since  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
 MODEL = "smollm2"
 ADMIN = "bench-admin"
 
@@ -143,7 +143,7 @@ def main() -> None:
                     "turn still waits for its previous answer, untimed). In a closed loop near capacity a faster "
                     "router mostly serves more requests at about the same TTFT (the users send sooner); at a fixed "
                     "rate near the default router's capacity the time saved shows as TTFT. Pick it from a closed-"
-                    "loop run's requests per second (session 13: 1.35/s for default, 1.6/s for prefix_aware)")
+                    "loop run's requests per second (2026-12-02: 1.35/s for default, 1.6/s for prefix_aware)")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--prefixes", type=int, default=8)
     ap.add_argument("--prefix-tokens", type=int, default=1000)
@@ -153,8 +153,7 @@ def main() -> None:
     ap.add_argument("--hot-share", type=float, default=0.9, help="skewed phase: sessions on the hot prefix")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--imbalance-threshold", type=int, default=None,
-                    help="prefix_aware.imbalance_threshold (default: lmfleet's, 4; this script's default was 8 "
-                    "before 2026-12-01 session 10)")
+                    help="prefix_aware.imbalance_threshold (default: lmfleet's, 4)")
     ap.add_argument("--kv-blocks", type=int, default=None,
                     help="KV cache blocks per replica (vLLM's num_gpu_blocks_override; 128 tokens a block on CPU). "
                     "Default: 2 GiB (~46k tokens of SmolLM2), which holds every prefix on both replicas; 64 "

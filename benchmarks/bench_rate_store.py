@@ -19,16 +19,11 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO))
-
-from lmfleet.config.tenants import TenantConfig, TenantLimits, default_priority_classes  # noqa: E402
-from lmfleet.overflow.store import Cap, PostgresSpendStore, SqliteSpendStore  # noqa: E402
-from lmfleet.tenants import TenantBook, TenantDirectory  # noqa: E402
-from lmfleet.tenants.shared import SharedLimits  # noqa: E402
+from lmfleet.config.tenants import TenantConfig, TenantLimits, default_priority_classes
+from lmfleet.store import Cap, PostgresSpendStore, SqliteSpendStore
+from lmfleet.tenants import TenantBook, TenantDirectory
+from lmfleet.tenants.shared import SharedLimits
 
 WINDOW_S = 3600.0
 CLASSES = default_priority_classes()
@@ -108,7 +103,7 @@ if __name__ == "__main__":
     targets = [("sqlite", f"{tmp}/ledger.sqlite")]
     server = None
     try:
-        from tests.support.pg_server import PgServer
+        from lmfleet.testing.pg_server import PgServer
         server = PgServer.start()
         targets.append(("postgres", server.url))
     except Exception as e:  # noqa: BLE001 -- the bench runs without PostgreSQL too

@@ -1,6 +1,21 @@
-"""Mixed two-tenant, two-class workload at 1x, 2x and 4x local capacity, with and without priority classes (issue 14).
+"""Tenants and priority classes under load (issue 14), in two modes.
+
+**Fakes** (default): a mixed two-tenant, two-class workload at 1x, 2x and 4x local capacity, with and without
+priority classes.
 
     .venv/bin/python benchmarks/bench_tenants.py --duration 10 --out out/bench_tenants.json
+
+**A running fleet** (``--fleet-url``): how much a batch tenant's flood slows an interactive tenant's first tokens.
+Start a fleet whose file has a batch tenant A (``priority: batch``, ``limits: {max_concurrency: 4}``) and an
+interactive tenant B, then
+
+    .venv/bin/python benchmarks/bench_tenants.py --fleet-url http://127.0.0.1:8000 --key-a A_KEY --key-b B_KEY \
+        --model tiny --out out/bench_tenants_fleet.json
+
+B sends streamed completions one after another in alternating blocks, solo / A flooding / solo / ..., and each
+side pools its blocks (so both see the same drift of a shared machine's load); A's flood is ``--flood-workers``
+clients in a process of their own at ``nice 19`` (lmfleet/testing/flood.py). It reports B's P50/P99 TTFT solo and
+flooded and the ratio of the P99s (issue 14's bound: at most 2), A's answers and refusals, and the load average.
 
 The real gateway (``build_gateway`` via tests/unit/gateway_fakes.py, served by uvicorn on a free port) in front of
 fakes, so it runs in minutes without engines:
@@ -28,7 +43,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -37,10 +51,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.unit.gateway_fakes import make_gateway  # noqa: E402
+from lmfleet.testing.flood import Flood, p99, trickle
+from lmfleet.testing.gateway_fakes import make_gateway
 
 KEYS = {"chat": "sk-bench-chat", "jobs": "sk-bench-jobs"}
 
@@ -186,8 +198,47 @@ def summarize(results: list[dict], spend: dict[str, float]) -> dict[str, dict]:
     return out
 
 
+def fleet_flood(args) -> dict:
+    """B's TTFT solo and while A floods, on the running fleet at ``args.fleet_url`` (module docstring)."""
+    solo: list[float] = []
+    flooded: list[float] = []
+    statuses: list[int] = []
+    flood = Flood(args.fleet_url, args.key_a, args.model, args.flood_workers)
+    loadavg_start = os.getloadavg()
+    with httpx.Client(base_url=args.fleet_url, headers={"authorization": f"Bearer {args.key_b}"}, timeout=120) as b:
+        trickle(b, args.model, 3, args.gap_s)  # warm: connections, the tokenizer path
+        flood.start()  # the engine's larger batches once (first-time shapes)
+        trickle(b, args.model, 3, args.gap_s)
+        flood.stop()
+        for _ in range(args.blocks):
+            t, s = trickle(b, args.model, args.per_block, args.gap_s)
+            solo += t
+            statuses += s
+            flood.start()
+            t, s = trickle(b, args.model, args.per_block, args.gap_s)
+            flood.stop()
+            flooded += t
+            statuses += s
+    ms = lambda x: round(x * 1e3, 1)  # noqa: E731
+    return {"b_solo": {"n": len(solo), "p50_ms": ms(statistics.median(solo)), "p99_ms": ms(p99(solo))},
+            "b_flooded": {"n": len(flooded), "p50_ms": ms(statistics.median(flooded)), "p99_ms": ms(p99(flooded))},
+            "p99_ratio": round(p99(flooded) / p99(solo), 2),
+            "b_refused": sum(1 for x in statuses if x != 200),
+            "a": {"ok": flood.ok, "refused": flood.refused, "other": flood.other},
+            "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(),
+            "args": {k: str(v) for k, v in vars(args).items() if k not in ("key_a", "key_b")}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fleet-url", default=None, help="measure on the running fleet at this gateway URL")
+    ap.add_argument("--key-a", help="--fleet-url: API key of the batch tenant that floods")
+    ap.add_argument("--key-b", help="--fleet-url: API key of the interactive tenant that is measured")
+    ap.add_argument("--model", default="tiny", help="--fleet-url: the model both tenants call")
+    ap.add_argument("--blocks", type=int, default=4, help="--fleet-url: solo/flooded block pairs")
+    ap.add_argument("--per-block", type=int, default=20, help="--fleet-url: B's requests per block")
+    ap.add_argument("--gap-s", type=float, default=0.25, help="--fleet-url: pause between B's requests")
+    ap.add_argument("--flood-workers", type=int, default=12, help="--fleet-url: A's concurrent clients")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per cell")
     ap.add_argument("--loads", default="1,2,4", help="multiples of local capacity")
     ap.add_argument("--slots", type=int, default=4)
@@ -200,6 +251,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.fleet_url is not None:
+        if not (args.key_a and args.key_b):
+            ap.error("--fleet-url needs --key-a and --key-b")
+        report = fleet_flood(args)
+        print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=1))
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1))
+        return
     local, provider = backends(args)
     service_s = (args.local_ttft_ms + (args.tokens - 1) * args.itl_ms) / 1e3
     capacity_rps = args.slots / service_s

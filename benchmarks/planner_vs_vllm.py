@@ -6,7 +6,7 @@ plus the model's config.json to ``tests/unit/data/vllm_kv_report.json``. The uni
 tests/unit/test_check_planner.py then compares ``planner bytes/token x tokens`` with the KV space,
 without an engine.
 
-    LMFLEET_CACHE=/tmp/lmfc .venv/bin/python benchmarks/planner_vs_vllm.py [--out PATH] [--kv-gib 1]
+    .venv/bin/python benchmarks/planner_vs_vllm.py [--out PATH] [--kv-gib 1]
 
 One engine at a time; about 1.5 minutes per model on a 2-core machine.
 """
@@ -20,31 +20,25 @@ import os
 import platform
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from lmfleet.check.planner import GiB, arch_from_config, kv_bytes_per_token
+from lmfleet.models import resolve_source
+from lmfleet.net import free_port
 
-from lmfleet.check.planner import GiB, arch_from_config, kv_bytes_per_token  # noqa: E402
-from lmfleet.models import resolve_source  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 MODELS = {"tiny-random": "builtin:tiny-random", "smollm2": "builtin:smollm2"}
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def record(folder: str, kv_gib: int, max_model_len: int, timeout_s: float = 900) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_gib), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--port", str(_free_port()),
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--port", str(free_port()),
            "--max-model-len", str(max_model_len)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -6,7 +6,7 @@ the gateway process's RSS, open file descriptors, threads and in-flight counts a
 
 Without ``--url`` it starts its own fleet through the real CLI (``lmfleet serve -c fleet.yaml``, as
 tests/e2e/conftest.py does): one local model (``builtin:tiny-random``, a small vLLM CPU engine) and one overflow
-provider, the fast fake OpenAI server of tests/support/fast_openai_server.py, with a low overflow threshold so
+provider, the fast fake OpenAI server of lmfleet/testing/fast_openai_server.py, with a low overflow threshold so
 that part of the traffic takes the provider path. The model's overflow mode is also switched between
 ``force_on`` and ``auto`` every ``--toggle-s`` seconds through the admin API, so that both paths carry traffic
 (also with ``--url``; ``--toggle-s 0`` turns this off). Everything it started is ended by pid on exit or Ctrl-C.
@@ -50,10 +50,8 @@ import httpx
 import psutil
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.support.fast_openai_server import FastServer, free_port  # noqa: E402
+from lmfleet.net import free_port
+from lmfleet.testing.fast_openai_server import FastServer
 
 MODEL = "tiny"
 API_KEY = "sk-soak-client"
@@ -704,7 +702,11 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--smoke", action="store_true",
+                    help="6 seconds, 2 clients, no overflow toggling: checks that the soak runs, measures nothing")
     args = ap.parse_args()
+    if args.smoke:
+        args.minutes, args.clients, args.slow, args.toggle_s, args.sample_s, args.quiet_timeout = 0.1, 2, 1, 0, 2, 30
     random.seed(args.seed)
     print(f"soak_gateway: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {os.cpu_count()} cores, "
           f"{args.minutes:g} min, {args.clients} clients + {args.slow} slow-header + 1 slow-body", flush=True)

@@ -5,8 +5,10 @@ engines) with two models, ``smollm2`` (builtin:smollm2) and ``tiny`` (builtin:ti
 overflow provider, ``backup``: a second, bare vLLM OpenAI server (SmolLM2, served as ``smollm2-remote``,
 with a real API key) behind a fault-injecting proxy. Both engines start in parallel.
 
-Engines cost about a minute each to start here, so everything is shared; tests that break things
-(engine death, shutdown) live in modules named to run last.
+Engines cost about a minute each to start here, so everything is shared. The order of the e2e tests is set by
+the ``e2e_order(n)`` marker (:func:`pytest_collection_modifyitems`), not by file names: the multinode tests run
+first (their own cluster must be gone before ``fleet`` starts), the tests that break the shared fleet (engine
+death, then shutdown) last.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,10 @@ import httpx
 import psutil
 import pytest
 import yaml
+
+# free_port: outside the ephemeral range (the fleet's serve_port is bound by HAProxy only once Ray is up)
+from lmfleet.net import free_port  # noqa: F401  (e2e modules import it from here)
+from lmfleet.testing.fleet import wait_http as _wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -42,14 +47,6 @@ def fleet_env() -> dict[str, str]:
     return {**os.environ, "LMFLEET_TEST_API_KEYS": API_KEY, "LMFLEET_TEST_ADMIN_KEY": ADMIN_KEY,
             "LMFLEET_TEST_PROVIDER_KEY": PROVIDER_KEY, "PYTHONUNBUFFERED": "1",
             "LMFLEET_TEST_TENANT_A_KEYS": TENANT_A_KEY, "LMFLEET_TEST_TENANT_B_KEYS": TENANT_B_KEY}
-
-
-def free_port() -> int:
-    """A free port outside the ephemeral range: the fleet's serve_port is bound by HAProxy only once Ray is up,
-    and an outgoing connection could take an ephemeral one meanwhile (lmfleet.serve.proxy.free_port)."""
-    from lmfleet.serve.proxy import free_port as quiet_free_port
-
-    return quiet_free_port("127.0.0.1")
 
 
 def descendants(pid: int) -> dict[int, float]:
@@ -157,19 +154,23 @@ class Fleet:
         return self.log_path.read_text(errors="replace")
 
 
-def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float, headers=None) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} was up:\n{log.read_text()[-5000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=5, headers=headers).status_code == 200:
-                return
-        time.sleep(2)
-    raise RuntimeError(f"{url} not up after {timeout_s:.0f} s:\n{log.read_text()[-5000:]}")
-
-
 _LOGS: list[Path] = []  # the shared fleet's logs, for the failure summary below
+
+
+def e2e_position(item: pytest.Item) -> int:
+    """The test's ``e2e_order(n)`` (0 when unmarked): lower runs earlier; equal ones keep their collected order."""
+    marker = item.get_closest_marker("e2e_order")
+    return int(marker.args[0]) if marker is not None else 0
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Sort the e2e tests by ``e2e_order`` (a stable sort: file and definition order otherwise); other tests keep
+    their places."""
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if here in Path(str(item.path)).parents]
+    ordered = sorted((items[i] for i in slots), key=e2e_position)
+    for i, item in zip(slots, ordered):
+        items[i] = item
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -188,9 +189,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory) -> Fleet:
-    from tests.support.fault_proxy import FaultProxy
-
     from lmfleet.models import resolve_source
+    from lmfleet.testing.fault_proxy import FaultProxy
 
     work = tmp_path_factory.mktemp("fleet")
     env = fleet_env()
@@ -241,7 +241,9 @@ def fleet(tmp_path_factory) -> Fleet:
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     log_path = work / "serve.log"
     _LOGS.extend([log_path, plog])
-    proc = subprocess.Popen([str(VENV_BIN / "lmfleet"), "serve", "-c", str(config_path)], env=env, cwd=work,
+    # --verbose: the log holds Ray's and the engines' lines too (for failures, and for the checks that no secret leaks)
+    proc = subprocess.Popen([str(VENV_BIN / "lmfleet"), "serve", "-c", str(config_path), "--verbose"], env=env,
+                            cwd=work,
                             stdout=log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     f = Fleet(f"http://127.0.0.1:{port}", ["smollm2", "tiny"], ADMIN_KEY, API_KEY, config_path, log_path, proc,
               proxy.url, f"http://127.0.0.1:{pport}", proxy)

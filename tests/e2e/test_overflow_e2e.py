@@ -15,7 +15,7 @@ import openai
 import pytest
 import yaml
 
-from lmfleet.overflow import Ledger
+from lmfleet.store import Ledger
 from tests.e2e.conftest import PROVIDER_KEY
 
 pytestmark = pytest.mark.e2e

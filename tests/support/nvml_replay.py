@@ -1,6 +1,6 @@
 """A stand-in for the ``pynvml`` module that replays NVML answers recorded on a real machine.
 
-Recordings are written by ``lmfleet.check.gpu_probe.record_nvml`` (or ``python -m lmfleet.check.gpu_probe
+Recordings are written by ``lmfleet.cluster.gpu_probe.record_nvml`` (or ``python -m lmfleet.cluster.gpu_probe
 --record`` on a GPU node) and kept under tests/unit/data/nvml/. Hand a ``ReplayNVML`` to
 ``probe_gpus(nvml=...)`` to run the probe on them without a GPU.
 """
@@ -18,7 +18,7 @@ class _Obj:
 
 
 class ReplayNVML:
-    """Answers like ``pynvml`` from a recording made by ``lmfleet.check.gpu_probe.record_nvml``.
+    """Answers like ``pynvml`` from a recording made by ``lmfleet.cluster.gpu_probe.record_nvml``.
 
     Recording format: ``{"init_error": str|null, "driver_version": str, "gpus": [{"name", "uuid",
     "memory": {"total", "used", "free"}, "memory_v2": {"total", "reserved", "used", "free"} (optional),

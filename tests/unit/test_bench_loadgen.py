@@ -2,8 +2,6 @@
 
 import asyncio
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -12,10 +10,8 @@ from lmfleet.bench.loadgen import LoadPlan, Target, run_load
 from lmfleet.bench.workload import BenchRequest
 from lmfleet.cli.bench import app
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # `tests` is not a package root on pytest's default sys.path
-    sys.path.insert(0, str(REPO))
-from tests.support.fast_openai_server import FastServer, free_port  # noqa: E402
+from lmfleet.net import free_port
+from lmfleet.testing.fast_openai_server import FastServer
 
 REQS = [BenchRequest("a", "completion", 3, 5, prompt="one two three"),
         BenchRequest("b", "chat", 2, 7, messages=[{"role": "user", "content": "hi there"}])]

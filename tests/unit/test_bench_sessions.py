@@ -179,15 +179,9 @@ async def test_turn_order_holds_a_turn_until_the_previous_one_is_answered():
 ])
 def test_sessions_run_through_the_load_generator(synth, plan_kwargs):
     import asyncio
-    import sys
-    from pathlib import Path
 
     from lmfleet.bench.loadgen import LoadPlan, Target, run_load
-
-    repo = Path(__file__).resolve().parents[2]
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
-    from tests.support.fast_openai_server import FastServer
+    from lmfleet.testing.fast_openai_server import FastServer
 
     mix = parse_mix_inline("a:1:16:4:prefixes=2x32:turns=3:sessions=3")
     reqs = sample_requests(mix, 12, synth)

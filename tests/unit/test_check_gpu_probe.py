@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lmfleet.check.cluster import Link, check_gpu_fit, check_inventory, check_links
-from lmfleet.check.gpu_probe import NodeGpus, probe_gpus, record_nvml
+from lmfleet.cluster.gpu_probe import NodeGpus, probe_gpus, record_nvml
 from lmfleet.check.hardware import Hardware, bandwidth_for, gpu_model, node_view_from_probe
 from lmfleet.check.result import Status
 from lmfleet.config import parse_config

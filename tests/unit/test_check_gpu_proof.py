@@ -16,7 +16,7 @@ import pytest
 
 from lmfleet.check import planner
 from lmfleet.check.cluster import Link, check_inventory, check_links
-from lmfleet.check.gpu_probe import NodeGpus, probe_gpus
+from lmfleet.cluster.gpu_probe import NodeGpus, probe_gpus
 from lmfleet.check.hardware import Hardware, node_view_from_probe
 from lmfleet.check.result import Status
 from lmfleet.config import parse_config

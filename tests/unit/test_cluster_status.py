@@ -199,7 +199,7 @@ def test_gpu_memory_from_the_shared_probe(recording):
     """`cluster status` reads the same probe as `lmfleet check`; free is NVML's v1 ``free`` (as nvidia-smi)."""
     from pathlib import Path
 
-    from lmfleet.check.gpu_probe import probe_gpus
+    from lmfleet.cluster.gpu_probe import probe_gpus
     from lmfleet.cluster.probe import gpu_memory_from_probe
     from tests.support.nvml_replay import ReplayNVML
 

@@ -10,7 +10,7 @@ from lmfleet.check.cluster import Link, check_gpu_fit
 from lmfleet.check.disaggregation import check_kv_transfer_path, check_kv_transfer_size
 from lmfleet.check.hardware import Hardware, NodeView, gpu_model
 from lmfleet.check.model_files import known_models
-from lmfleet.check.nic_probe import RdmaPort, probe_rdma
+from lmfleet.cluster.nic_probe import RdmaPort, probe_rdma
 from lmfleet.check.parallelism import check_expert_parallel
 from lmfleet.check.planner import GiB, arch_from_config, plan_memory, routed_expert_params, weight_bytes
 from lmfleet.check.result import Status

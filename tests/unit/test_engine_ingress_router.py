@@ -1,8 +1,8 @@
 """Under direct streaming a model with `request_router: default` is deployed without Serve's ingress request router.
 
 HAProxy calls that router (LLMRouter, `POST /internal/route`) before every request only to learn a replica; with no
-prompt-aware policy HAProxy's own balancing does the same job without the round trip (docs/benchmarks.md,
-bench_ttft_path). The real builders run here (no deploy, no Ray cluster).
+prompt-aware policy HAProxy's own balancing does the same job without the round trip (docs/benchmarks.md).
+The real builders run here (no deploy, no Ray cluster).
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def test_default_router_under_direct_streaming_has_no_router_peer(monkeypatch):
     assert app._ingress_request_router is None
     d = app._bound_deployment
     assert d.name.startswith("LLMServer:")
-    from lmfleet.engine.replica import FleetLLMServer
+    from ray.serve.llm import LLMServer
 
-    assert issubclass(d.func_or_class, FleetLLMServer)  # lmfleet's replica class (its CPU priority step)
+    assert issubclass(d.func_or_class, LLMServer)  # Ray's replica class, as its own builders deploy it
     # Serve refuses a request router class on an ingress deployment behind HAProxy: none is set
     rr = d._deployment_config.request_router_config
     assert rr.request_router_class.endswith("PowerOfTwoChoicesRequestRouter")

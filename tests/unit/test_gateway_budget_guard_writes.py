@@ -11,7 +11,7 @@ import pytest
 from lmfleet.config.models import ProviderPrice
 from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.observe.metrics import GatewayMetrics
-from lmfleet.overflow.store import GLOBAL, Cap, Reservation, SqliteSpendStore, UsageRecord
+from lmfleet.store import GLOBAL, Cap, Reservation, SqliteSpendStore, StoreUnavailable, UsageRecord
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,8 +72,6 @@ async def test_a_write_landing_before_the_failure_does_not_count(store):
 
 
 async def test_a_store_without_the_counter_still_needs_a_probe():
-    from lmfleet.overflow.store import StoreUnavailable
-
     class Bare:  # a SpendStore without writes_landed (fakes, other implementations)
         down = True
 

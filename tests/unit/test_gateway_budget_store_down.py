@@ -21,8 +21,8 @@ from lmfleet.config import parse_config
 from lmfleet.config.models import ProviderPrice
 from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.observe.metrics import GatewayMetrics
-from lmfleet.overflow.store import GLOBAL, Cap, Refusal, Reservation, StoreUnavailable
-from tests.unit.gateway_fakes import chat_json, make_gateway
+from lmfleet.store import GLOBAL, Cap, Refusal, Reservation, StoreUnavailable
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 ADMIN = {"authorization": "Bearer adm"}
@@ -315,7 +315,7 @@ async def test_a_failing_ledger_write_makes_ready_degraded_and_no_row_is_lost(tm
                        extra={"ledger": {"path": str(path), "connect_timeout_s": 2}})
     gw = app.state.gateway
     gw.recorder.retry_first_s = gw.recorder.retry_max_s = 0.05
-    gw.recorder.ledger._db.execute("PRAGMA busy_timeout = 100")  # fail fast (10 s in the product)
+    gw.recorder.ledger.db._db.execute("PRAGMA busy_timeout = 100")  # fail fast (10 s in the product)
     c = await _client(app)
     blocker = sqlite3.connect(path, isolation_level=None)
     try:

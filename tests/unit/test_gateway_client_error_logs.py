@@ -9,7 +9,7 @@ import logging
 import httpx
 import pytest
 
-from tests.unit.gateway_fakes import chat_json, make_gateway
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 _DEEP = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"

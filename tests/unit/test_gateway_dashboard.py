@@ -33,25 +33,13 @@ from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.admin.recent_errors import ErrorEntry, RecentErrors
 from lmfleet.overflow import BudgetStatus
 from tests.unit.chromium import Browser, find_chromium
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 ADMIN = {"authorization": "Bearer adm"}
 INF = math.inf
-_STARTED: list = []
-
-
-@pytest.fixture(autouse=True)
-async def _stop_gateways():
-    yield
-    while _STARTED:
-        await _STARTED.pop().state.gateway.close()
-
-
-async def _client(app):
-    app.state.gateway.start()
-    _STARTED.append(app)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
 
 def ok_local(req: httpx.Request) -> httpx.Response:
@@ -329,7 +317,7 @@ def test_recent_errors_ring():
     ("/dashboard", {"host": "evil.example"}, "adm", set(), 400),            # trusted Host names still apply
 ])
 async def test_who_may_see_it(tmp_path, path, headers, admin_key, api_keys, status):
-    c = await _client(make_gateway(tmp_path, ok_local, admin_key=admin_key, api_keys=api_keys))
+    c = await started_client(make_gateway(tmp_path, ok_local, admin_key=admin_key, api_keys=api_keys))
     r = await c.get(path, headers=headers)
     assert r.status_code == status, r.text
     if status == 200:
@@ -337,8 +325,8 @@ async def test_who_may_see_it(tmp_path, path, headers, admin_key, api_keys, stat
 
 
 async def test_page_holds_no_data_and_no_key_and_allows_only_itself(tmp_path):
-    a = await _client(make_gateway(tmp_path / "a", ok_local, {"prov-alpha": ok_local}, admin_key="admin-key-one"))
-    b = await _client(make_gateway(tmp_path / "b", ok_local, admin_key="admin-key-two"))
+    a = await started_client(make_gateway(tmp_path / "a", ok_local, {"prov-alpha": ok_local}, admin_key="admin-key-one"))
+    b = await started_client(make_gateway(tmp_path / "b", ok_local, admin_key="admin-key-two"))
     await a.post("/v1/chat/completions", json=CHAT)
     pa, pb = await a.get("/dashboard"), await b.get("/dashboard")
     assert pa.content == pb.content  # the same bytes whatever the gateway's state, keys and providers
@@ -363,7 +351,7 @@ async def test_json_reflects_traffic_through_the_gateway(tmp_path):
             return httpx.Response(503, json={"error": {"message": "overloaded"}})
         return ok_local(req)
 
-    c = await _client(make_gateway(tmp_path, ok_local, {"p": flaky_provider}))
+    c = await started_client(make_gateway(tmp_path, ok_local, {"p": flaky_provider}))
     first = (await c.get("/admin/dashboard.json", headers=ADMIN)).json()
     assert first["models"]["m"]["requests"] is None  # one reading: no window yet
     for _ in range(3):

@@ -17,19 +17,19 @@ import pytest
 from lmfleet.gateway.routing.router import class_wait_ms
 from lmfleet.overflow.estimator import estimate_wait_ms
 from lmfleet.overflow.signals import QueueSignals
-from tests.unit.gateway_fakes import make_gateway
+from lmfleet.testing.gateway_fakes import make_gateway, started_client
 from tests.unit.test_gateway_tenants import (
     CHAT,
     Counting,
     MODEL_M,
-    _client,
     _held_local,
-    _stop_gateways,  # noqa: F401  (autouse fixture: closes the gateways a test started)
     _until,
     key,
     ok_local,
     tenant_gateway,
 )
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
 INTERACTIVE, STANDARD, BATCH = 0, 5, 10
 
@@ -135,7 +135,7 @@ async def test_under_a_batch_backlog_interactive_stays_local_and_goes_first(tmp_
     gw = app.state.gateway
     m = gw.models["m"]
     q = m.queue
-    c = await _client(app)
+    c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
     hold = [asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("b"))) for _ in range(4)]
     await _until(lambda: q.running == 4)
@@ -170,7 +170,7 @@ async def test_batch_estimates_do_not_move_the_interactive_overflow_band(tmp_pat
                          providers={"p": provider}, models=[slow_prefill], classes=CLASSES3)
     m = app.state.gateway.models["m"]
     q = m.queue
-    c = await _client(app)
+    c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
     hold = [asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("b"))) for _ in range(4)]
     await _until(lambda: q.running == 4)
@@ -202,7 +202,7 @@ async def test_without_tenants_the_estimate_and_the_band_are_as_before(tmp_path)
         m.local.tracker.on_start(10)
     expected = estimate_wait_ms(m.local.tracker.snapshot(), m.app.capacity)
     assert gw.router.estimate(m) == gw.router.estimate(m, order=INTERACTIVE) == pytest.approx(expected)
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.headers["x-lmfleet-served-by"] == "provider/p"
     assert r.headers["x-lmfleet-queue-estimate-ms"] == f"{expected:.0f}" and m.hysteresis.overflowing

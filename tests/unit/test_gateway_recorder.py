@@ -11,7 +11,7 @@ import pytest
 
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.observe.recorder import Recorder
-from lmfleet.overflow.store import StoreUnavailable
+from lmfleet.store import StoreUnavailable
 
 
 class FakeLedger:

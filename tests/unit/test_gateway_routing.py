@@ -10,25 +10,11 @@ import logging
 import httpx
 import pytest
 
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
-
-
-_STARTED: list = []
-
-
-@pytest.fixture(autouse=True)
-async def _stop_gateways():
-    yield
-    while _STARTED:
-        await _STARTED.pop().state.gateway.close()
-
-
-async def _client(app):
-    app.state.gateway.start()  # what the app's lifespan does (ASGITransport does not run it)
-    _STARTED.append(app)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
 
 def ok_local(req: httpx.Request) -> httpx.Response:
@@ -47,7 +33,7 @@ def provider_ok(req: httpx.Request) -> httpx.Response:
 
 
 async def test_local_ok_has_provenance_and_plain_body(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local))
+    c = await started_client(make_gateway(tmp_path, ok_local))
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200
     assert r.headers["x-lmfleet-served-by"] == "local/m"
@@ -71,7 +57,7 @@ async def test_local_ok_has_provenance_and_plain_body(tmp_path):
     (json.dumps({**CHAT, "max_tokens": 60}).encode(), 400, "max_tokens"),
 ])
 async def test_client_errors_are_openai_shaped_4xx(tmp_path, body, status, param):
-    c = await _client(make_gateway(tmp_path, ok_local))
+    c = await started_client(make_gateway(tmp_path, ok_local))
     r = await c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -82,14 +68,14 @@ async def test_client_errors_are_openai_shaped_4xx(tmp_path, body, status, param
 
 
 async def test_context_error_names_both_numbers(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local, max_model_len=20))
+    c = await started_client(make_gateway(tmp_path, ok_local, max_model_len=20))
     r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 15})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and "20" in msg and "15" in msg and "7 in the prompt" in msg
 
 
 async def test_completions_prompt_too_long_without_max_tokens(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local, max_model_len=5))
+    c = await started_client(make_gateway(tmp_path, ok_local, max_model_len=5))
     r = await c.post("/v1/completions", json={"model": "m", "prompt": "a b c d e f"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
@@ -98,7 +84,7 @@ async def test_upstream_client_error_passes_through_cleaned(tmp_path):
     def local(req):
         return httpx.Response(400, json={"error": {"message": "Message: bad logit_bias (Request ID: 1), Internal "
                                                               "exception: X", "type": "BadRequestError"}})
-    c = await _client(make_gateway(tmp_path, local, {"p": provider_ok}))
+    c = await started_client(make_gateway(tmp_path, local, {"p": provider_ok}))
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "bad logit_bias"
@@ -109,7 +95,7 @@ async def test_upstream_client_error_passes_through_cleaned(tmp_path):
     lambda req: (_ for _ in ()).throw(httpx.ConnectError("refused")),
 ])
 async def test_local_failure_falls_back_to_provider(tmp_path, failure):
-    c = await _client(make_gateway(tmp_path, failure, {"p": provider_ok}))
+    c = await started_client(make_gateway(tmp_path, failure, {"p": provider_ok}))
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200, r.text
     assert r.headers["x-lmfleet-served-by"] == "provider/p"
@@ -121,7 +107,7 @@ async def test_local_failure_without_provider_is_503_and_not_ready(tmp_path):
     import asyncio
 
     app = make_gateway(tmp_path, lambda req: httpx.Response(500, json={"error": {"message": "engine died"}}))
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503
     assert "engine died" in r.json()["error"]["message"]
@@ -142,7 +128,7 @@ async def test_provider_429_honours_retry_after_and_goes_to_next(tmp_path):
         return httpx.Response(429, headers={"retry-after": "30"}, json={"error": {"message": "slow down"}})
 
     app = make_gateway(tmp_path, ok_local, {"p1": limited, "p2": provider_ok}, ready=False)
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p2"
     assert app.state.gateway.providers["p1"].breaker.retry_after_s() > 25
@@ -151,7 +137,7 @@ async def test_provider_429_honours_retry_after_and_goes_to_next(tmp_path):
 
 
 async def test_forced_overflow_through_admin(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local, {"p": provider_ok}))
+    c = await started_client(make_gateway(tmp_path, ok_local, {"p": provider_ok}))
     assert (await c.post("/admin/overflow", json={"model": "m", "mode": "force_on"})).status_code == 401
     r = await c.post("/admin/overflow", json={"model": "m", "mode": "force_on"}, headers={"authorization": "Bearer adm"})
     assert r.status_code == 200
@@ -163,7 +149,7 @@ async def test_forced_overflow_through_admin(tmp_path):
 
 
 async def test_stream_relays_and_hides_usage_unless_asked(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local))
+    c = await started_client(make_gateway(tmp_path, ok_local))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
     events = [e for e in r.text.split("\n\n") if e]
@@ -191,7 +177,7 @@ async def test_stream_relays_every_event_however_the_reads_group_them(tmp_path, 
     def local(req):
         return stream_response(_regroup(sse_events("m", words), how))
 
-    c = await _client(make_gateway(tmp_path, local))
+    c = await started_client(make_gateway(tmp_path, local))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})
     events = [e for e in r.text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]", events
@@ -205,7 +191,7 @@ async def test_stream_failure_before_first_chunk_falls_back(tmp_path):
     def local(req):
         return stream_response([], httpx.ReadError("reset"))
 
-    c = await _client(make_gateway(tmp_path, local, {"p": provider_ok}))
+    c = await started_client(make_gateway(tmp_path, local, {"p": provider_ok}))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
     assert "Remote" in r.text
@@ -215,7 +201,7 @@ async def test_stream_failure_after_first_chunk_ends_with_error_event(tmp_path):
     def local(req):
         return stream_response(sse_events("m", ["Par", "is"], usage=False, done=False), httpx.ReadError("reset"))
 
-    c = await _client(make_gateway(tmp_path, local, {"p": provider_ok}))
+    c = await started_client(make_gateway(tmp_path, local, {"p": provider_ok}))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     events = [e for e in r.text.split("\n\n") if e]
     assert '"Par"' in events[0]
@@ -228,14 +214,14 @@ async def test_stream_without_done_is_reported_as_truncated(tmp_path):
     def local(req):
         return stream_response(sse_events("m", ["Par"], usage=False, done=False))
 
-    c = await _client(make_gateway(tmp_path, local))
+    c = await started_client(make_gateway(tmp_path, local))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert "upstream_truncated" in r.text
 
 
 async def test_auth_required_and_key_never_logged(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
-    c = await _client(make_gateway(tmp_path, ok_local, api_keys={"sk-client-secret"}))
+    c = await started_client(make_gateway(tmp_path, ok_local, api_keys={"sk-client-secret"}))
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = await c.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer wrong-key-123"})
@@ -254,7 +240,7 @@ async def test_provider_key_not_in_error_bodies_or_logs(tmp_path, caplog):
 
     app = make_gateway(tmp_path, lambda r: httpx.Response(500, json={"error": {"message": "dead"}}),
                          {"p": echoing_provider})
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503
     assert "sk-secret-provider-key" not in r.text
@@ -263,7 +249,7 @@ async def test_provider_key_not_in_error_bodies_or_logs(tmp_path, caplog):
 
 async def test_ledger_and_metrics_add_up(tmp_path):
     app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
-    c = await _client(app)
+    c = await started_client(app)
     for _ in range(3):
         await c.post("/v1/chat/completions", json=CHAT)
     await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
@@ -285,7 +271,7 @@ async def test_ledger_and_metrics_add_up(tmp_path):
 
 
 async def test_models_lists_served_models(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local))
+    c = await started_client(make_gateway(tmp_path, ok_local))
     data = (await c.get("/v1/models")).json()
     assert [m["id"] for m in data["data"]] == ["m"]
 
@@ -298,7 +284,7 @@ async def test_slow_local_first_token_goes_to_provider_without_marking_local_dow
         return stream_response(sse_events("m", ["late"]))
 
     app = make_gateway(tmp_path, slow_local, {"p": provider_ok})
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
     assert app.state.gateway.health.is_ready("m")  # a queue, not a dead engine
@@ -312,7 +298,7 @@ async def test_forced_local_never_times_out_the_first_token(tmp_path):
         return stream_response(sse_events("m", ["ok"]))
 
     app = make_gateway(tmp_path, slowish_local, {"p": provider_ok})
-    c = await _client(app)
+    c = await started_client(app)
     await c.post("/admin/overflow", json={"mode": "force_off"}, headers={"authorization": "Bearer adm"})
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
@@ -326,7 +312,7 @@ async def test_client_going_away_while_waiting_frees_the_local_slot_and_is_recor
         return httpx.Response(200, json=chat_json("m"))
 
     app = make_gateway(tmp_path, never)
-    c = await _client(app)
+    c = await started_client(app)
     task = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
     await asyncio.sleep(0.3)
     assert app.state.gateway.models["m"].local.tracker.in_flight == 1
@@ -346,7 +332,7 @@ async def test_provider_refusing_our_key_or_model_is_a_provider_fault_not_the_cl
         return httpx.Response(status, json={"error": {"message": "Incorrect API key sk-secret-provider-key"}})
 
     app = make_gateway(tmp_path, ok_local, {"p": refusing})
-    c = await _client(app)
+    c = await started_client(app)
     await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"  # fell back
@@ -361,7 +347,7 @@ async def test_provider_refusal_never_reaches_the_client(tmp_path):
         return httpx.Response(401, json={"error": {"message": "Incorrect API key sk-secret-provider-key"}})
 
     dead = lambda req: httpx.Response(500, json={"error": {"message": "engine died"}})  # noqa: E731
-    c = await _client(make_gateway(tmp_path, dead, {"p": refusing}, ready=False))
+    c = await started_client(make_gateway(tmp_path, dead, {"p": refusing}, ready=False))
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503  # local (tried last) is dead too; never the provider's 401
     assert "Incorrect API key" not in r.text and "sk-secret" not in r.text
@@ -374,7 +360,7 @@ async def test_provider_refusal_never_reaches_the_client(tmp_path):
 ])
 async def test_malformed_upstream_answers_never_leak_a_slot(tmp_path, body):
     app = make_gateway(tmp_path, ok_local, {"p": lambda req: httpx.Response(200, json=body)})
-    c = await _client(app)
+    c = await started_client(app)
     await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
     for _ in range(3):
         r = await c.post("/v1/chat/completions", json=CHAT)
@@ -464,7 +450,7 @@ async def test_budget_cap_is_exact_under_200_concurrent_paid_requests(tmp_path):
     # 200 connections opened at once to a fake in this process: on a loaded machine a 5 s connect timeout trips
     app = make_gateway(tmp_path, ok_local, {"p": slow_provider}, extra={"budget": {"hourly_usd": 10.5 * worst_usd}},
                        provider_extra={"timeouts": {"connect_s": 60}})
-    c = await _client(app)
+    c = await started_client(app)
     await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
     answers = await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(200)))
     assert all(r.status_code == 200 for r in answers)
@@ -505,7 +491,7 @@ async def test_provider_stream_that_goes_quiet_past_its_idle_timeout_ends_with_a
     app = make_gateway(tmp_path, lambda req: httpx.Response(500), {"p": provider})
     for p in app.state.gateway.providers.values():
         p.cfg.timeouts.first_token_s = 1.0
-    c = await _client(app)
+    c = await started_client(app)
     await c.post("/admin/overflow", json={"mode": "force_on"}, headers={"authorization": "Bearer adm"})
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
@@ -523,7 +509,7 @@ async def test_provider_stream_that_goes_quiet_past_its_idle_timeout_ends_with_a
 ])
 async def test_other_methods_on_the_openai_routes_get_openai_shaped_errors(tmp_path, method, path, status):
     """The OpenAI routes are answered ahead of FastAPI's stack (POST only); the rest still goes through it."""
-    c = await _client(make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m"))))
+    c = await started_client(make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m"))))
     r = await c.request(method, path)
     assert r.status_code == status
     if status >= 400:
@@ -541,7 +527,7 @@ async def test_a_stream_whose_upstream_lingers_after_done_is_recorded_as_served(
                               stream=_StallingStream(events, 0.5, []))
 
     app = make_gateway(tmp_path, local)
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     gw = app.state.gateway

@@ -17,7 +17,9 @@ import pytest
 from lmfleet.config import parse_config
 from lmfleet.gateway.front.access import GatewayConfigError
 from lmfleet.gateway.build import check_gateway_access
-from tests.unit.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, started_client, stream_response
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 KEYS = {"a": "sk-tenant-a-3f9c2e", "b": "sk-tenant-b-77d01a"}
@@ -27,21 +29,6 @@ MODEL_M = {"name": "m", "source": "builtin:tiny-random",
            "deployment": {"max_ongoing_requests": 4, "request_timeout_s": 10},
            "overflow": {"threshold_ms": 1000, "local_first_token_timeout_s": 2}}
 CLASSES = [{"name": "interactive", "order": 0}, {"name": "batch", "order": 10, "max_wait_s": 5}]
-
-_STARTED: list = []
-
-
-@pytest.fixture(autouse=True)
-async def _stop_gateways():
-    yield
-    while _STARTED:
-        await _STARTED.pop().state.gateway.close()
-
-
-async def _client(app):
-    app.state.gateway.start()
-    _STARTED.append(app)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
 
 def key(name: str) -> dict[str, str]:
@@ -113,7 +100,7 @@ def _error(r: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize("method,path", [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
                                          ("GET", "/v1/models")])
 async def test_a_fleet_with_only_tenants_is_not_open(tmp_path, headers, method, path):
-    c = await _client(tenant_gateway(tmp_path))
+    c = await started_client(tenant_gateway(tmp_path))
     r = await c.request(method, path, json=CHAT if method == "POST" else None, headers=headers)
     err = _error(r, 401)
     assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
@@ -167,7 +154,7 @@ def test_one_key_held_by_two_tenants_stops_the_start(tmp_path):
 @pytest.mark.parametrize("stream", [False, True])
 async def test_each_key_is_served_as_its_tenant_and_attributed_in_the_ledger(tmp_path, stream):
     app = tenant_gateway(tmp_path, flat=True)
-    c = await _client(app)
+    c = await started_client(app)
     for who, headers in [("a", key("a")), ("b", key("b")), ("a", key("a")),
                          ("default", {"authorization": f"Bearer {FLAT_KEY}"})]:
         r = await c.post("/v1/chat/completions", json={**CHAT, "stream": stream}, headers=headers)
@@ -182,7 +169,7 @@ async def test_each_key_is_served_as_its_tenant_and_attributed_in_the_ledger(tmp
 
 async def test_flat_keys_alone_behave_as_before_as_tenant_default(tmp_path):
     app = make_gateway(tmp_path, ok_local, api_keys={FLAT_KEY})
-    c = await _client(app)
+    c = await started_client(app)
     assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 401
     r = await c.post("/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {FLAT_KEY}"})
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
@@ -192,7 +179,7 @@ async def test_flat_keys_alone_behave_as_before_as_tenant_default(tmp_path):
 
 async def test_an_open_loopback_gateway_serves_everyone_as_default(tmp_path):
     app = make_gateway(tmp_path, ok_local)
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer whatever"})
     assert r.status_code == 200
     assert [r["tenant"] for r in await _ledger_rows(app)] == ["default"]
@@ -201,7 +188,7 @@ async def test_an_open_loopback_gateway_serves_everyone_as_default(tmp_path):
 # ---- 3. limits --------------------------------------------------------------------------------------------
 async def test_over_requests_per_minute_is_429_with_openai_headers_and_body(tmp_path):
     app = tenant_gateway(tmp_path, {"a": {"limits": {"requests_per_minute": 2}}, "b": {}})
-    c = await _client(app)
+    c = await started_client(app)
     for i in range(2):
         r = await c.post("/v1/chat/completions", json=CHAT, headers=key("a"))
         assert r.status_code == 200
@@ -223,7 +210,7 @@ async def test_over_requests_per_minute_is_429_with_openai_headers_and_body(tmp_
 
 async def test_over_tokens_per_minute_is_429_tokens(tmp_path):
     # each answer uses 7 + 2 tokens; the next prompt (~8 tokens by the fake tokenizer) no longer fits in 12
-    c = await _client(tenant_gateway(tmp_path, {"a": {"limits": {"tokens_per_minute": 12}}}))
+    c = await started_client(tenant_gateway(tmp_path, {"a": {"limits": {"tokens_per_minute": 12}}}))
     assert (await c.post("/v1/chat/completions", json=CHAT, headers=key("a"))).status_code == 200
     r = await c.post("/v1/chat/completions", json=CHAT, headers=key("a"))
     err = _error(r, 429)
@@ -253,7 +240,7 @@ async def test_max_concurrency_refuses_the_next_and_frees_the_slot_however_the_r
     release = threading.Event()
     app = tenant_gateway(tmp_path, {"a": {"limits": {"max_concurrency": 1}}}, local=_held_local(release, ending))
     book = app.state.gateway.router.tenants
-    c = await _client(app)
+    c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
     first = asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("a")))
     await _until(lambda: book.in_flight["a"] == 1)
@@ -277,7 +264,7 @@ async def test_max_concurrency_refuses_the_next_and_frees_the_slot_however_the_r
 async def test_a_model_the_tenant_may_not_use_is_refused_and_not_listed(tmp_path):
     m2 = {**MODEL_M, "name": "m2"}
     app = tenant_gateway(tmp_path, {"a": {"models": ["m2"]}, "b": {"models": ["m"]}}, models=[MODEL_M, m2])
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json=CHAT, headers=key("a"))
     err = _error(r, 403)
     assert (err["type"], err["param"], err["code"]) == ("permission_error", "model", "model_not_allowed")
@@ -299,7 +286,7 @@ async def test_a_model_the_tenant_may_not_use_is_refused_and_not_listed(tmp_path
     ({}, "urgent", 400, None),
 ])
 async def test_the_priority_header_is_read_and_capped(tmp_path, tenant, header, status, cls):
-    c = await _client(tenant_gateway(tmp_path, {"a": tenant}))
+    c = await started_client(tenant_gateway(tmp_path, {"a": tenant}))
     headers = {**key("a"), **({"x-lmfleet-priority": header} if header is not None else {})}
     r = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
     assert r.status_code == status, r.text
@@ -325,7 +312,7 @@ async def test_batch_waits_locally_and_pays_only_when_the_tenant_may(tmp_path, p
     provider = Counting()
     app = tenant_gateway(tmp_path, {"a": {"priority": priority, "batch_may_use_providers": may_pay}},
                          providers={"p": provider})
-    c = await _client(app)
+    c = await started_client(app)
     _load(app, load)
     r = await c.post("/v1/chat/completions", json=CHAT, headers=key("a"))
     assert r.status_code == status, r.text
@@ -344,7 +331,7 @@ async def test_batch_that_may_not_pay_never_falls_back_to_a_provider(tmp_path):
     provider = Counting()
     dead = lambda req: httpx.Response(500, json={"error": {"message": "engine error"}})  # noqa: E731
     app = tenant_gateway(tmp_path, {"a": {"priority": "batch"}}, local=dead, providers={"p": provider})
-    c = await _client(app)
+    c = await started_client(app)
     _load(app, 4)  # over the threshold: an interactive request would go to p
     r = await c.post("/v1/chat/completions", json=CHAT, headers=key("a"))
     assert r.status_code == 503 and provider.calls == 0
@@ -355,7 +342,7 @@ async def test_batch_that_may_not_pay_never_falls_back_to_a_provider(tmp_path):
 async def test_no_key_reaches_a_log_an_error_body_or_a_header(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     app = tenant_gateway(tmp_path, {"a": {"limits": {"requests_per_minute": 1}, "models": ["m"]}, "b": {}})
-    c = await _client(app)
+    c = await started_client(app)
     answers = [await c.post("/v1/chat/completions", json=CHAT, headers=key("a")) for _ in range(2)]  # 200, 429
     answers.append(await c.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer sk-wrong-1"}))
     answers.append(await c.post("/v1/chat/completions", json={**CHAT, "model": "x"}, headers=key("b")))
@@ -373,7 +360,7 @@ async def test_no_key_reaches_a_log_an_error_body_or_a_header(tmp_path, caplog):
 async def test_admin_sees_tenants_limits_and_live_usage_without_keys(tmp_path):
     app = tenant_gateway(tmp_path, {"a": {"limits": {"requests_per_minute": 5, "max_concurrency": 2},
                                           "priority": "batch", "max_priority": "interactive"}, "b": {}}, flat=True)
-    c = await _client(app)
+    c = await started_client(app)
     assert (await c.post("/v1/chat/completions", json=CHAT, headers=key("a"))).status_code == 200
     assert _error(await c.get("/admin/tenants", headers=key("a")), 401)["code"] == "invalid_api_key"
     r = await c.get("/admin/tenants", headers=ADMIN)
@@ -401,7 +388,7 @@ async def test_the_local_queue_serves_interactive_first_and_enforces_the_batch_d
                          classes=[{"name": "interactive", "order": 0}, {"name": "batch", "order": 10, "max_wait_s": 1}])
     gw = app.state.gateway
     q = gw.models["m"].queue
-    c = await _client(app)
+    c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
     running = [asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("a"))) for _ in range(4)]
     await _until(lambda: q.running == 4)
@@ -434,7 +421,7 @@ async def test_a_client_that_leaves_while_queued_frees_everything(tmp_path):
                          models=[QUICK_M])
     gw = app.state.gateway
     q, book = gw.models["m"].queue, gw.router.tenants
-    c = await _client(app)
+    c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
     running = [asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("a"))) for _ in range(4)]
     await _until(lambda: q.running == 4)
@@ -457,7 +444,7 @@ async def test_past_its_queue_deadline_batch_goes_to_a_provider_only_when_the_te
                          local=_held_local(release, "ok"), providers={"p": provider}, models=[QUICK_M],
                          classes=[{"name": "interactive", "order": 0}, {"name": "batch", "order": 10, "max_wait_s": 1}])
     q = app.state.gateway.models["m"].queue
-    c = await _client(app)
+    c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
     running = [asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("a"))) for _ in range(4)]
     await _until(lambda: q.running == 4)
@@ -476,7 +463,7 @@ async def test_past_its_queue_deadline_batch_goes_to_a_provider_only_when_the_te
     (ADMIN, 200, True),
 ])
 async def test_tenant_keys_open_metrics_and_ready_detail(tmp_path, headers, metrics_status, detail):
-    c = await _client(tenant_gateway(tmp_path))
+    c = await started_client(tenant_gateway(tmp_path))
     assert (await c.get("/metrics", headers=headers)).status_code == metrics_status
     r = await c.get("/ready", headers=headers)
     assert ("models" in r.json()) is detail
@@ -506,7 +493,7 @@ async def test_without_tenants_there_is_no_local_queue_and_no_limit_bookkeeping(
     app = make_gateway(tmp_path, ok_local, api_keys={FLAT_KEY})
     gw = app.state.gateway
     assert gw.models["m"].queue is None and not gw.router.tenants.is_limited(gw.tenants.tenants["default"])
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {FLAT_KEY}"})
     assert r.status_code == 200 and gw.router.tenants.in_flight["default"] == 0
 
@@ -522,7 +509,7 @@ async def test_a_tenant_spend_cap_is_exact_and_leaves_the_others_alone(tmp_path)
     worst_usd = (7 * 1.0 + 8 * 2.0) / 1e6  # 7 prompt tokens (the fakes' tokenizer), prices 1 $/1M in, 2 $/1M out
     app = tenant_gateway(tmp_path, {"a": {"limits": {"hourly_usd": 3.5 * worst_usd}}, "b": {}},
                          providers={"p": slow_provider})
-    c = await _client(app)
+    c = await started_client(app)
     await c.post("/admin/overflow", json={"mode": "force_on"}, headers=ADMIN)
     answers = await asyncio.gather(*(c.post("/v1/chat/completions", json=CHAT, headers=key(t))
                                      for t in ["a"] * 12 + ["b"] * 4))
@@ -548,7 +535,7 @@ async def test_two_gateways_of_a_two_worker_fleet_share_a_tenants_concurrency_li
     apps = [_worker_gateway(tmp_path, release, gateway) for _ in range(2)]
     books = [app.state.gateway.router.tenants for app in apps]
     assert all(b.shared is not None for b in books)
-    clients = [await _client(app) for app in apps]
+    clients = [await started_client(app) for app in apps]
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
     tasks = [asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("a")))
              for c in clients for _ in range(3)]

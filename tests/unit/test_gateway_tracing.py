@@ -13,27 +13,14 @@ from aiohttp import web
 
 from lmfleet.gateway import build as build_mod
 from lmfleet.gateway.observe.tracing import RequestTracer, traces_url
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_PARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"
 OBS = {"observability": {"otlp_endpoint": "http://127.0.0.1:4318"}}
-
-_STARTED: list = []
-
-
-@pytest.fixture(autouse=True)
-async def _stop_gateways():
-    yield
-    while _STARTED:
-        await _STARTED.pop().state.gateway.close()
-
-
-async def _client(app):
-    app.state.gateway.start()
-    _STARTED.append(app)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
 
 @pytest.fixture
@@ -58,7 +45,7 @@ async def test_a_stream_has_request_upstream_and_relay_spans_in_the_clients_trac
         seen["traceparent"] = req.headers.get("traceparent")
         return stream_response(sse_events(json.loads(req.content)["model"], ["Par", "is"]))
 
-    c = await _client(make_gateway(tmp_path, local, extra=OBS))
+    c = await started_client(make_gateway(tmp_path, local, extra=OBS))
     r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"traceparent": CLIENT_PARENT})
     assert r.status_code == 200 and "[DONE]" in r.text
     spans = _by_name(memory.get_finished_spans())
@@ -83,7 +70,7 @@ async def test_a_failed_attempt_and_its_fallback_are_two_upstream_spans(tmp_path
     def provider(req):
         return httpx.Response(200, json=chat_json(json.loads(req.content)["model"], "Remote."))
 
-    c = await _client(make_gateway(tmp_path, dead, {"p": provider}, extra=OBS))
+    c = await started_client(make_gateway(tmp_path, dead, {"p": provider}, extra=OBS))
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
     ups = [s for s in memory.get_finished_spans() if s.name == "lmfleet.upstream"]
@@ -99,7 +86,7 @@ async def test_a_failed_attempt_and_its_fallback_are_two_upstream_spans(tmp_path
     ({**CHAT, "max_tokens": -1}, 400, None),
 ])
 async def test_refused_requests_end_their_span_with_the_status(tmp_path, memory, body, status, code):
-    c = await _client(make_gateway(tmp_path, lambda req: httpx.Response(500), extra=OBS))
+    c = await started_client(make_gateway(tmp_path, lambda req: httpx.Response(500), extra=OBS))
     r = await c.post("/v1/chat/completions", json=body)
     assert r.status_code == status
     (req,) = memory.get_finished_spans()
@@ -111,7 +98,7 @@ async def test_refused_requests_end_their_span_with_the_status(tmp_path, memory,
 async def test_tracing_is_off_by_default(tmp_path, memory):
     app = make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m")))
     assert app.state.gateway.tracer is None
-    c = await _client(app)
+    c = await started_client(app)
     assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
     assert memory.get_finished_spans() == ()
 

@@ -11,24 +11,12 @@ import pytest
 from lmfleet.config import parse_config
 from lmfleet.gateway.front.access import GatewayConfigError, allowed_hosts, check_exposure, host_allowed
 from lmfleet.gateway.build import check_gateway_access, load_api_keys
-from tests.unit.gateway_fakes import chat_json, make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 ADMIN = {"authorization": "Bearer adm"}
-_STARTED: list = []
-
-
-@pytest.fixture(autouse=True)
-async def _stop_gateways():
-    yield
-    while _STARTED:
-        await _STARTED.pop().state.gateway.close()
-
-
-async def _client(app, base_url: str = "http://gw"):
-    app.state.gateway.start()
-    _STARTED.append(app)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base_url)
 
 
 def ok_local(req: httpx.Request) -> httpx.Response:
@@ -123,7 +111,7 @@ def test_build_gateway_refuses_and_make_gateway_with_keys_works(tmp_path):
 ])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 async def test_post_routes_need_json(tmp_path, ctype, status, path):
-    c = await _client(make_gateway(tmp_path, ok_local))
+    c = await started_client(make_gateway(tmp_path, ok_local))
     body = CHAT if "chat" in path else {"model": "m", "prompt": "hi", "max_tokens": 4}
     headers = {"content-type": ctype} if ctype else {}
     r = await c.post(path, content=json.dumps(body).encode(), headers=headers)
@@ -134,7 +122,7 @@ async def test_post_routes_need_json(tmp_path, ctype, status, path):
 
 
 async def test_admin_post_needs_json_too(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local))
+    c = await started_client(make_gateway(tmp_path, ok_local))
     r = await c.post("/admin/overflow", content=b'{"mode": "force_on"}', headers={**ADMIN, "content-type": "text/plain"})
     _assert_openai_error(r, 415)
 
@@ -161,7 +149,7 @@ def test_trusted_hosts(header, listen, extra, ok):
 
 
 async def test_untrusted_host_is_400_but_health_answers(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local), base_url="http://rebound.attacker.example")
+    c = await started_client(make_gateway(tmp_path, ok_local), base_url="http://rebound.attacker.example")
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert _assert_openai_error(r, 400)["code"] == "invalid_host"
     assert (await c.get("/ready")).status_code == 400
@@ -169,9 +157,9 @@ async def test_untrusted_host_is_400_but_health_answers(tmp_path):
 
 
 async def test_no_openapi_schema_unless_asked(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local))
+    c = await started_client(make_gateway(tmp_path, ok_local))
     assert (await c.get("/openapi.json")).status_code == 404
-    c = await _client(make_gateway(tmp_path, ok_local, extra={"gateway": {"openapi": True, "allowed_hosts": ["gw"],
+    c = await started_client(make_gateway(tmp_path, ok_local, extra={"gateway": {"openapi": True, "allowed_hosts": ["gw"],
                                                                            "admin_key_env": "LMFLEET_FAKE_ADMIN_KEY"}}))
     assert (await c.get("/openapi.json")).status_code == 200
 
@@ -184,7 +172,7 @@ async def test_no_openapi_schema_unless_asked(tmp_path):
     ({"authorization": "Bearer sk-client"}, True),
 ])
 async def test_ready_is_bare_without_a_key(tmp_path, headers, detail):
-    c = await _client(make_gateway(tmp_path, ok_local, api_keys={"sk-client"}, ready=False))
+    c = await started_client(make_gateway(tmp_path, ok_local, api_keys={"sk-client"}, ready=False))
     r = await c.get("/ready", headers=headers)
     assert r.status_code == 503
     if detail:
@@ -196,7 +184,7 @@ async def test_ready_is_bare_without_a_key(tmp_path, headers, detail):
 @pytest.mark.parametrize("headers,status", [({}, 401), ({"authorization": "Bearer x"}, 401), (ADMIN, 200),
                                             ({"authorization": "Bearer sk-client"}, 200)])
 async def test_metrics_need_a_key(tmp_path, headers, status):
-    c = await _client(make_gateway(tmp_path, ok_local, api_keys={"sk-client"}))
+    c = await started_client(make_gateway(tmp_path, ok_local, api_keys={"sk-client"}))
     r = await c.get("/metrics", headers=headers)
     assert r.status_code == status
     if status == 401:
@@ -205,9 +193,9 @@ async def test_metrics_need_a_key(tmp_path, headers, status):
 
 async def test_metrics_public_and_keyless_gateway(tmp_path):
     gw = {"metrics_public": True, "allowed_hosts": ["gw"], "admin_key_env": "LMFLEET_FAKE_ADMIN_KEY"}
-    c = await _client(make_gateway(tmp_path, ok_local, extra={"gateway": gw}))
+    c = await started_client(make_gateway(tmp_path, ok_local, extra={"gateway": gw}))
     assert (await c.get("/metrics")).status_code == 200
-    c = await _client(make_gateway(tmp_path, ok_local, admin_key=None))  # no key of any kind: nothing to send
+    c = await started_client(make_gateway(tmp_path, ok_local, admin_key=None))  # no key of any kind: nothing to send
     assert (await c.get("/metrics")).status_code == 200
     assert "models" in (await c.get("/ready")).json()
 
@@ -239,7 +227,7 @@ _DEEP_OK_FOR_PARSER = b'{"model": "m", "x": ' + b"[" * 200 + b"]" * 200 + b', "m
 ])
 async def test_hostile_bodies_are_400(tmp_path, raw, param, words):
     app = make_gateway(tmp_path, ok_local)
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     err = _assert_openai_error(r, 400)
     assert err["param"] == param and words in err["message"], err
@@ -249,7 +237,7 @@ async def test_hostile_bodies_are_400(tmp_path, raw, param, words):
 # ---- 8. size limits ---------------------------------------------------------------------------------
 async def test_declared_body_over_the_limit_is_413_before_reading(tmp_path):
     gw = {"max_body_bytes": 2048, "allowed_hosts": ["gw"], "admin_key_env": "LMFLEET_FAKE_ADMIN_KEY"}
-    c = await _client(make_gateway(tmp_path, ok_local, extra={"gateway": gw}))
+    c = await started_client(make_gateway(tmp_path, ok_local, extra={"gateway": gw}))
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * 4000}]}
     r = await c.post("/v1/chat/completions", json=big)
     assert _assert_openai_error(r, 413)["code"] == "request_too_large"
@@ -272,14 +260,14 @@ async def test_declared_body_over_the_limit_is_413_before_reading(tmp_path):
     ({"model": "m", "prompt": [[1], list(range(70))]}, "prompt"),
 ])
 async def test_prompts_too_long_by_their_size_alone_are_rejected_before_tokenizing(tmp_path, body, param):
-    c = await _client(make_gateway(tmp_path, ok_local))  # max_model_len 64
+    c = await started_client(make_gateway(tmp_path, ok_local))  # max_model_len 64
     r = await c.post("/v1/completions", json=body)
     err = _assert_openai_error(r, 400)
     assert err["code"] == "context_length_exceeded" and err["param"] == param
 
 
 async def test_chat_size_check_counts_user_text_only(tmp_path):
-    c = await _client(make_gateway(tmp_path, ok_local))
+    c = await started_client(make_gateway(tmp_path, ok_local))
     big = "y" * (64 * 1024 + 1)
     r = await c.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": big}]})
     assert _assert_openai_error(r, 400)["code"] == "context_length_exceeded"
@@ -294,7 +282,7 @@ async def test_chat_size_check_counts_user_text_only(tmp_path):
     ("p", 128, True), ([[1, 2]] * 200, 1, False), ([1, 2, 3], 1, True),
 ])
 async def test_completions_cap_prompts_times_n(tmp_path, prompt, n, ok):
-    c = await _client(make_gateway(tmp_path, ok_local))
+    c = await started_client(make_gateway(tmp_path, ok_local))
     r = await c.post("/v1/completions", json={"model": "m", "prompt": prompt, "n": n, "max_tokens": 1})
     if ok:
         assert r.status_code == 200, r.text
@@ -332,7 +320,7 @@ def test_health_needs_failures_from_several_requests(events, ready):
 ])
 async def test_what_one_request_can_do_to_readiness(tmp_path, local, ready_after_one):
     app = make_gateway(tmp_path, local)
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert 400 <= r.status_code < 600 and r.status_code != 500
     assert app.state.gateway.health.is_ready("m") is ready_after_one
@@ -345,7 +333,7 @@ async def test_hostile_retry_after_gives_a_clean_429(tmp_path, value):
         return httpx.Response(429, headers={"retry-after": value}, json={"error": {"message": "slow down"}})
 
     app = make_gateway(tmp_path, limited, {"p": limited})
-    c = await _client(app)
+    c = await started_client(app)
     await c.post("/admin/overflow", json={"mode": "force_on"}, headers=ADMIN)
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert _assert_openai_error(r, 429)["code"] == "rate_limited"
@@ -414,7 +402,7 @@ async def test_content_part_types_are_allow_listed_per_model(tmp_path, parts, al
     if allowed is not None:
         extra = {"models": [{"name": "m", "source": "builtin:tiny-random", "content_parts": allowed,
                              "deployment": {"max_ongoing_requests": 4, "request_timeout_s": 10}}]}
-    c = await _client(make_gateway(tmp_path, ok_local, extra=extra))
+    c = await started_client(make_gateway(tmp_path, ok_local, extra=extra))
     r = await c.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": parts}]})
     if param is None:
         assert r.status_code == 200, r.text

@@ -145,8 +145,8 @@ def _describe(cycles: list[list[str]], graph: dict[str, set[str]]) -> str:
 
 def test_the_walk_sees_the_package():
     graph = import_graph(deferred=False)
-    assert "lmfleet.overflow.ledger" in graph and "lmfleet.cli.main" in graph
-    assert "lmfleet.provenance" in graph["lmfleet.overflow.ledger"]  # absolute import seen
+    assert "lmfleet.store.ledger" in graph and "lmfleet.cli.main" in graph
+    assert "lmfleet.provenance" in graph["lmfleet.store.ledger"]  # absolute import seen
 
 
 def test_find_cycles_on_a_known_graph():

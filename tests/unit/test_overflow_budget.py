@@ -2,7 +2,7 @@
 
 import pytest
 
-from lmfleet.overflow.budget import check_budget
+from lmfleet.overflow.budget import check_budget, retry_after_s
 
 NOW = 100_000.0
 
@@ -45,3 +45,29 @@ def test_check_budget(events, hourly, daily, pending, allowed, reason, retry):
 def test_spent_figures():
     s = check_budget([(NOW - 7200, 2.0), (NOW - 60, 1.0)], hourly_usd=None, daily_usd=None, now=NOW)
     assert (s.spent_hour_usd, s.spent_day_usd) == (1.0, 3.0)
+
+
+# --- the roll-off arithmetic on its own (the spend store's caps use it too) ---------------------------------
+
+HOUR = 3600.0
+CAP = 1000  # nano-dollars
+
+
+@pytest.mark.parametrize(
+    "events, held, amount, expected",
+    [
+        ([], 0, 100, 0.0),  # fits now
+        ([(NOW - 3000, 600), (NOW - 1000, 400)], 0, 100, 600.0),  # first event leaves at NOW+600: 400+100 fits
+        ([(NOW - 3000, 600), (NOW - 1000, 400)], 0, 700, 2600.0),  # both must leave
+        ([(NOW - 1000, 400), (NOW - 3000, 600)], 0, 100, 600.0),  # oldest first, whatever the order given
+        ([(NOW - 3000, 600)], 950, 100, HOUR),  # held alone blocks it: the whole window
+        ([], 0, 1001, HOUR),  # over the cap by itself: never within the window
+        ([(NOW - 4000, 900), (NOW - 10, 500)], 0, 500, 0.0),  # outside the window: ignored
+        ([(NOW - 3600, 900)], 0, 500, 0.0),  # exactly a window old: already out
+        ([(NOW - 10, 1000)], 0, 1, 3590.0),  # "spent < cap" is one nano-dollar that must fit
+        ([(NOW - 10, 1)], 0, 1000, 3590.0),  # the amount fits exactly at the cap once the event leaves
+    ],
+)
+def test_retry_after(events, held, amount, expected):
+    assert retry_after_s(events, held_nusd=held, amount_nusd=amount, cap_nusd=CAP, window_s=HOUR,
+                         now=NOW) == expected

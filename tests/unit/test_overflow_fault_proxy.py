@@ -1,24 +1,18 @@
-"""The fault-injecting proxy (tests/support/fault_proxy.py) in front of a tiny OpenAI-like upstream."""
+"""The fault-injecting proxy (lmfleet.testing.fault_proxy) in front of a tiny OpenAI-like upstream."""
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from aiohttp import web
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # `tests` is not a package root on pytest's default sys.path
-    sys.path.insert(0, str(REPO))
-
-from tests.support.fault_proxy import FaultProxy  # noqa: E402
+from lmfleet.testing.fault_proxy import FaultProxy
 
 N_EVENTS = 5
 GAP_S = 0.1
@@ -175,9 +169,8 @@ def test_runs_as_a_module(upstream):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.fault_proxy", "--upstream", upstream, "--port", str(port)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen([sys.executable, "-m", "lmfleet.testing.fault_proxy", "--upstream", upstream, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
         while True:

@@ -6,17 +6,14 @@ import threading
 import pytest
 
 from lmfleet.config.models import LedgerConfig
-from lmfleet.overflow import Ledger as ExportedLedger
-from lmfleet.overflow.ledger import (
+from lmfleet.provenance import provider_label
+from lmfleet.store import (
     DEFAULT_TENANT,
     Ledger,
     PostgresLedger,
     open_ledger,
-    served_by_local,
-    served_by_provider,
 )
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from lmfleet.testing.pg_shared import fresh_database
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,15 +25,6 @@ ROWS = [
     (400.0, "provider/acme", 2000, 0, 0.0003, "beta"),
     (500.0, "provider/beta", 5, 1_000_000, 0.6, None),
 ]
-
-
-@pytest.fixture(scope="session")
-def pg_server():
-    pytest.importorskip("psycopg", reason="the PostgreSQL client is missing: pip install -e '.[test]'")
-    try:
-        return shared_pg_server()
-    except PgUnavailable as e:
-        pytest.skip(f"PostgreSQL server cannot be started here: {e}")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -59,7 +47,6 @@ def ledger(cfg):
 def test_open_ledger_picks_the_backend(cfg):
     with open_ledger(cfg) as led:
         assert isinstance(led, Ledger if cfg.url is None else PostgresLedger)
-    assert ExportedLedger is Ledger  # lmfleet.overflow.Ledger is still the SQLite one
 
 
 @pytest.mark.parametrize(
@@ -167,7 +154,7 @@ def test_survives_reopen(cfg):
 
 def test_sqlite_ledger_uses_wal(tmp_path):
     with Ledger(tmp_path / "l.sqlite") as led:
-        (mode,) = led._db.execute("PRAGMA journal_mode").fetchone()
+        (mode,) = led.db.statement("PRAGMA journal_mode", (), lambda cur: cur.fetchone())
         assert mode == "wal"
 
 
@@ -188,7 +175,7 @@ def test_threads_write_concurrently(cfg):
     with open_ledger(cfg) as led:
         def work():
             for _ in range(100):
-                led.record(model="m", served_by=served_by_provider("p"), route_reason="x", input_tokens=1,
+                led.record(model="m", served_by=provider_label("p"), route_reason="x", input_tokens=1,
                            output_tokens=1, status="ok", cost_usd=0.001)
         threads = [threading.Thread(target=work) for _ in range(4)]
         for t in threads:
@@ -197,7 +184,3 @@ def test_threads_write_concurrently(cfg):
             t.join()
         assert led.totals().requests == 400
         assert led.totals().cost_usd == 0.4
-
-
-def test_labels():
-    assert (served_by_local("smollm2"), served_by_provider("acme")) == ("local/smollm2", "provider/acme")

@@ -15,13 +15,19 @@ import pytest
 from lmfleet.config.models import FleetConfig, LedgerConfig
 from lmfleet.gateway.front.access import GatewayConfigError
 from lmfleet.gateway.build import check_ledger, preflight
-from lmfleet.overflow.ledger import Ledger, PostgresLedger, open_ledger
-from lmfleet.overflow.store import SpendStoreError, SqliteSpendStore, StoreUnavailable, UsageRecord
-from lmfleet.overflow.store.postgres import MIGRATIONS as PG_MIGRATIONS
-from lmfleet.overflow.store.sqlite import MIGRATIONS as SQLITE_MIGRATIONS
-from lmfleet.overflow.store.postgres import PostgresSpendStore
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from lmfleet.store import (
+    MIGRATIONS,
+    Ledger,
+    PostgresLedger,
+    PostgresSpendStore,
+    SpendStoreError,
+    SqliteSpendStore,
+    StoreUnavailable,
+    UsageRecord,
+    open_ledger,
+)
+from lmfleet.testing.pg_server import PgUnavailable
+from lmfleet.testing.pg_shared import fresh_database
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,16 +50,20 @@ CREATE TABLE reservations (id TEXT NOT NULL, key TEXT NOT NULL, request_id TEXT 
 CREATE TABLE spend_buckets (key TEXT NOT NULL, bucket_end INTEGER NOT NULL, nusd INTEGER NOT NULL,
     PRIMARY KEY (key, bucket_end));
 """
+# the same in PostgreSQL, with the first schema version's other tables
+OLD_REQUESTS_PG = """
+CREATE TABLE requests (
+    id BIGSERIAL PRIMARY KEY, ts DOUBLE PRECISION NOT NULL, model TEXT NOT NULL, served_by TEXT NOT NULL,
+    route_reason TEXT NOT NULL, input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+    latency_ms DOUBLE PRECISION, ttft_ms DOUBLE PRECISION, status TEXT NOT NULL, cost_nusd BIGINT NOT NULL);
+CREATE INDEX requests_ts ON requests (ts);
+CREATE TABLE budget_keys (key TEXT PRIMARY KEY);
+CREATE TABLE reservations (id TEXT NOT NULL, key TEXT NOT NULL, request_id TEXT NOT NULL, amount_nusd BIGINT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (id, key));
+CREATE TABLE spend_buckets (key TEXT NOT NULL, bucket_end BIGINT NOT NULL, nusd BIGINT NOT NULL,
+    PRIMARY KEY (key, bucket_end));
+"""
 ROW = UsageRecord("m", "local/m", "local_ok", 3, 4, "ok", tenant="acme")
-
-
-@pytest.fixture(scope="session")
-def pg_server():
-    pytest.importorskip("psycopg", reason="the PostgreSQL client is missing: pip install -e '.[test]'")
-    try:
-        return shared_pg_server()
-    except PgUnavailable as e:
-        pytest.skip(f"PostgreSQL server cannot be started here: {e}")
 
 
 def _columns(path) -> list[str]:
@@ -86,7 +96,7 @@ def test_old_sqlite_file_gains_the_tenant_column(tmp_path, store_first, old_stor
             ("provider/acme", None, 5000), ("local/m", "acme", 7)]
         assert {r.name: r.requests for r in led.summary(by="tenant")} == {"default": 1, "acme": 1}
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT MAX(version) FROM lmfleet_schema").fetchone() == (max(SQLITE_MIGRATIONS),)
+        assert db.execute("SELECT MAX(version) FROM lmfleet_schema").fetchone() == (MIGRATIONS[-1][0],)
 
 
 def test_old_postgres_database_gains_the_tenant_column(pg_server):
@@ -95,7 +105,7 @@ def test_old_postgres_database_gains_the_tenant_column(pg_server):
     url = fresh_database(pg_server)
     with psycopg.connect(url, autocommit=True) as conn:  # a database the first schema version made
         conn.execute("CREATE TABLE lmfleet_schema (version INTEGER NOT NULL)")
-        conn.execute(PG_MIGRATIONS[1])
+        conn.execute(OLD_REQUESTS_PG)
         conn.execute("INSERT INTO lmfleet_schema (version) VALUES (1)")
         conn.execute("INSERT INTO requests (ts, model, served_by, route_reason, input_tokens, output_tokens, status,"
                      " cost_nusd) VALUES (100, 'm', 'provider/acme', 'overflow', 1, 2, 'ok', 5000)")
@@ -104,7 +114,7 @@ def test_old_postgres_database_gains_the_tenant_column(pg_server):
         assert [(r["served_by"], r["tenant"], round(r["cost_usd"] * 1e9)) for r in led.rows()] == [
             ("provider/acme", None, 5000), ("local/m", "acme", 7)]
     with psycopg.connect(url) as conn:
-        assert conn.execute("SELECT MAX(version) FROM lmfleet_schema").fetchone() == (max(PG_MIGRATIONS),)
+        assert conn.execute("SELECT MAX(version) FROM lmfleet_schema").fetchone() == (MIGRATIONS[-1][0],)
 
 
 # --- reaching PostgreSQL ---------------------------------------------------------------------------------
@@ -215,7 +225,7 @@ def test_check_ledger_sqlite_that_cannot_be_opened(tmp_path):
 async def test_admin_usage_reads_the_postgres_ledger_by_backend_and_tenant(tmp_path, pg_server):
     import json
 
-    from tests.unit.gateway_fakes import chat_json, make_gateway
+    from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
     url = fresh_database(pg_server)
     app = make_gateway(tmp_path, lambda r: httpx.Response(200, json=chat_json(json.loads(r.content)["model"])),
@@ -255,8 +265,8 @@ async def test_admin_usage_reads_the_postgres_ledger_by_backend_and_tenant(tmp_p
 async def test_local_traffic_goes_on_while_the_postgres_ledger_is_down(tmp_path):
     import json
 
-    from tests.support.pg_server import PgServer
-    from tests.unit.gateway_fakes import chat_json, make_gateway
+    from lmfleet.testing.pg_server import PgServer
+    from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
     def ok(r: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json=chat_json(json.loads(r.content)["model"]))

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 from lmfleet.cli.main import app
 from lmfleet.cli.usage import parse_since
 from lmfleet.config.models import LedgerConfig
-from lmfleet.overflow.ledger import Ledger, open_ledger
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from lmfleet.store import Ledger, open_ledger
+from lmfleet.testing.pg_server import PgUnavailable
+from lmfleet.testing.pg_shared import fresh_database, shared_pg_server
 
 NOW = 1_800_000_000.0
 ISO = datetime(2027, 1, 15, 8, 0, tzinfo=timezone.utc).timestamp()
@@ -117,15 +117,6 @@ def test_usage_by_tenant(ledger_path, since, expected):
     assert out["total"]["tenant"] == "total"
     table = CliRunner().invoke(app, ["usage", "--ledger", str(ledger_path), "--by", "tenant"], env={"COLUMNS": "200"})
     assert table.exit_code == 0 and "tenant" in table.output and "default" in table.output
-
-
-@pytest.fixture(scope="session")
-def pg_server():
-    pytest.importorskip("psycopg", reason="the PostgreSQL client is missing: pip install -e '.[test]'")
-    try:
-        return shared_pg_server()
-    except PgUnavailable as e:
-        pytest.skip(f"PostgreSQL server cannot be started here: {e}")
 
 
 def _fleet_file(tmp_path, ledger: str) -> str:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from lmfleet.profile.traces import NodeFiles, _reader, llm_deployments, safe_part
-from tests.unit.gateway_fakes import make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import make_gateway, sse_events, stream_response
 
 ADMIN = {"authorization": "Bearer adm"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4, "stream": True}

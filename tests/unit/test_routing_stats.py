@@ -8,7 +8,7 @@ import pytest
 from lmfleet.gateway.routing.pollers import EngineStatsPoller
 from lmfleet.overflow.engine_stats import (ReplicaStats, imbalance, merge_replicas, parse_replica_pages,
                                           parse_replica_stats, since)
-from tests.unit.gateway_fakes import make_gateway
+from lmfleet.testing.gateway_fakes import make_gateway
 
 # the shape of a Ray node's page (labels trimmed): counters with Prometheus' _total suffix, and _created samples
 RAY = """# TYPE ray_vllm_num_requests_running gauge

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from lmfleet.cluster.join import present_ray_token
 from lmfleet.serve import gateway_proc as gp
 
 
@@ -282,7 +283,7 @@ def test_present_ray_token(tmp_path, monkeypatch, environ, token_file, expected)
         (tmp_path / ".ray").mkdir()
         (tmp_path / ".ray" / "auth_token").write_text("secret\n")
     env = dict(environ)
-    gp.present_ray_token(env)
+    present_ray_token(env)
     assert env == {k: v.format(home=tmp_path) for k, v in expected.items()}
 
 

@@ -202,13 +202,14 @@ def test_serve_env_forwards_bodies_for_prompt_aware_routers(router, proxy, forwa
     ((0, 65535), (), 65535, []),
 ])
 def test_quiet_port_ranges(ephemeral, reserved, top, expected):
-    from lmfleet.serve.proxy import quiet_port_ranges
+    from lmfleet.net import quiet_port_ranges
 
     assert quiet_port_ranges(ephemeral, reserved, top) == expected
 
 
 def test_free_ports_avoid_the_ephemeral_and_reserved_ranges(tmp_path):
-    from lmfleet.serve.proxy import RESERVED_PORTS, ephemeral_port_range, free_ports
+    from lmfleet.net import RESERVED_PORTS, ephemeral_port_range
+    from lmfleet.serve.proxy import free_ports
 
     lo, hi = ephemeral_port_range()
     for _ in range(20):
@@ -228,13 +229,13 @@ def test_free_port_skips_a_port_in_use(monkeypatch):
     import random
     import socket
 
-    from lmfleet.serve import proxy
+    from lmfleet import net
 
     with socket.socket() as s:
         s.bind(("", 0))
         taken = s.getsockname()[1]
         picks = iter([taken, taken, taken + 0])
-        monkeypatch.setattr(proxy, "quiet_port_ranges", lambda ephemeral: [(taken, taken)])
+        monkeypatch.setattr(net, "quiet_port_ranges", lambda ephemeral: [(taken, taken)])
         monkeypatch.setattr(random, "randint", lambda lo, hi: next(picks))
         # every pick is the taken port: after the tries it falls back to a port the OS chooses
-        assert proxy.free_port(tries=3) != taken
+        assert net.free_port(tries=3) != taken

@@ -24,8 +24,8 @@ def test_engine_and_ray_logs_reach_the_terminal_only_when_verbose(monkeypatch, v
     """lmfleet serve keeps Ray's and the engines' log lines in Ray's log folder unless --verbose."""
     import logging
 
-    from lmfleet.cluster import connect as connect_mod
     from lmfleet.config import parse_config
+    from lmfleet.serve import runner
     from lmfleet.serve.runner import connect_ray
 
     seen = {}
@@ -34,7 +34,7 @@ def test_engine_and_ray_logs_reach_the_terminal_only_when_verbose(monkeypatch, v
         seen.update(init_kwargs, logging_level=logging_level)
         return True
 
-    monkeypatch.setattr(connect_mod, "connect", fake_connect)
+    monkeypatch.setattr(runner, "connect", fake_connect)
     fleet = parse_config({"models": [{"name": "m", "source": "builtin:tiny-random"}]})
     assert connect_ray(fleet, "10.0.0.1:6379", verbose=verbose) is True
     assert seen["log_to_driver"] is verbose

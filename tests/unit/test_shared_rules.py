@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from lmfleet.models.tokenizer import TokenizerLoadError, load_tokenizer
-from lmfleet.overflow import ledger, served_by_local, served_by_provider
 from lmfleet.overflow.money import NUSD_PER_USD, nusd_to_usd, usd_to_nusd
 from lmfleet.provenance import Kind, is_external, local_label, parse_label, provider_label
 
@@ -26,11 +25,6 @@ def test_labels_round_trip(label, kind, name, external):
 def test_other_labels_are_refused(label):
     with pytest.raises(ValueError, match="neither local/MODEL nor provider/NAME"):
         parse_label(label)
-
-
-def test_ledger_names_are_the_provenance_rule():
-    assert served_by_local is local_label and served_by_provider is provider_label
-    assert ledger.usd_to_nusd is usd_to_nusd
 
 
 @pytest.mark.parametrize("usd, nusd", [

@@ -10,24 +10,24 @@ import logging
 import pytest
 
 from lmfleet.config.tenants import TenantConfig, TenantSettings, default_priority_classes
-from lmfleet.overflow.store import PostgresSpendStore, SqliteSpendStore
+from lmfleet.store import PostgresSpendStore, SqliteSpendStore
 from lmfleet.tenants import Tenant, TenantBook, TenantDirectory
 from lmfleet.tenants.admin import TenantSettingsError, parse_update
-from tests.unit.gateway_fakes import make_gateway
+from lmfleet.testing.pg_shared import fresh_database
+from lmfleet.testing.gateway_fakes import make_gateway, started_client
 from tests.unit.test_gateway_tenants import (
     ADMIN,
     CHAT,
     CLASSES,
     FLAT_KEY,
     KEYS,
-    _client,
     _error,
-    _stop_gateways,  # noqa: F401  (autouse: closes the gateways)
     key,
     ok_local,
     tenant_gateway,
 )
-from tests.unit.test_tenants_shared import fresh_database, pg_server  # noqa: F401  (pg_server: a fixture)
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
 A_LIMITS = {"requests_per_minute": 100, "max_concurrency": 4}
 
@@ -44,7 +44,7 @@ async def _tenant(c, name: str) -> dict:
 
 async def test_a_limit_lowered_at_run_time_holds_at_once_and_keeps_the_others(tmp_path):
     app = gateway(tmp_path)
-    c = await _client(app)
+    c = await started_client(app)
     assert (await c.post("/v1/chat/completions", json=CHAT, headers=key("a"))).status_code == 200
     r = await c.put("/admin/tenants/a", json={"limits": {"requests_per_minute": 2}}, headers=ADMIN)
     assert r.status_code == 200, r.text
@@ -65,7 +65,7 @@ async def test_a_limit_lowered_at_run_time_holds_at_once_and_keeps_the_others(tm
 
 
 async def test_priority_and_models_change_at_run_time(tmp_path):
-    c = await _client(gateway(tmp_path))
+    c = await started_client(gateway(tmp_path))
     r = await c.put("/admin/tenants/b", json={"priority": "batch", "max_priority": "interactive"}, headers=ADMIN)
     assert (r.json()["priority"], r.json()["max_priority"]) == ("batch", "interactive")
     r = await c.post("/v1/chat/completions", json=CHAT, headers=key("b"))
@@ -96,7 +96,7 @@ async def test_priority_and_models_change_at_run_time(tmp_path):
     ({"limits": {"hourly_usd": 1}}, "limits.hourly_usd", "started without a spend cap"),
 ])
 async def test_a_bad_body_is_400_naming_the_field_and_changes_nothing(tmp_path, body, param, words):
-    c = await _client(gateway(tmp_path))
+    c = await started_client(gateway(tmp_path))
     before = await _tenant(c, "a")
     r = await c.put("/admin/tenants/a", json=body, headers=ADMIN)
     err = _error(r, 400)
@@ -113,27 +113,27 @@ async def test_a_bad_body_is_400_naming_the_field_and_changes_nothing(tmp_path, 
 ])
 async def test_unknown_tenants_are_404_and_only_the_admin_may_change_one(tmp_path, method, path, headers, status,
                                                                           code):
-    c = await _client(gateway(tmp_path))
+    c = await started_client(gateway(tmp_path))
     r = await c.request(method, path, json={"limits": {"max_concurrency": 1}}, headers=headers)
     assert _error(r, status)["code"] == code
     assert (await _tenant(c, "a"))["limits"]["max_concurrency"] == 4
 
 
 async def test_a_body_that_is_not_an_object_is_400(tmp_path):
-    c = await _client(gateway(tmp_path))
+    c = await started_client(gateway(tmp_path))
     r = await c.put("/admin/tenants/a", content=b"[1, 2]", headers={**ADMIN, "content-type": "application/json"})
     assert r.status_code == 400
 
 
 async def test_changes_survive_a_restart_and_delete_goes_back_to_the_file(tmp_path):
-    c = await _client(gateway(tmp_path))
+    c = await started_client(gateway(tmp_path))
     await c.put("/admin/tenants/a", json={"limits": {"max_concurrency": 1}, "priority": "batch"}, headers=ADMIN)
-    c2 = await _client(gateway(tmp_path))  # a restart: a new gateway on the same ledger file
+    c2 = await started_client(gateway(tmp_path))  # a restart: a new gateway on the same ledger file
     a = await _tenant(c2, "a")
     assert (a["limits"]["max_concurrency"], a["priority"], a["source"]) == (1, "batch", "admin")
     r = await c2.delete("/admin/tenants/a", headers=ADMIN)
     assert r.status_code == 200 and r.json()["limits"]["max_concurrency"] == 4 and r.json()["source"] == "fleet.yaml"
-    c3 = await _client(gateway(tmp_path))
+    c3 = await started_client(gateway(tmp_path))
     a = await _tenant(c3, "a")
     assert (a["limits"]["max_concurrency"], a["priority"], a["source"]) == (4, "interactive", "fleet.yaml")
 
@@ -142,7 +142,7 @@ async def test_the_other_gateway_processes_pick_a_change_up_within_their_poll(tm
     """Two gateways of one fleet (as two worker processes build them) on one ledger file: a PUT on one holds
     on the other once it has polled (0.05 s here; 1 s by default)."""
     apps = [gateway(tmp_path) for _ in range(2)]
-    clients = [await _client(app) for app in apps]
+    clients = [await started_client(app) for app in apps]
     other = apps[1].state.tenant_admin
     other.poll_s = 0.05
     poll = asyncio.create_task(other.poll_forever())
@@ -172,7 +172,7 @@ async def test_a_spend_cap_set_at_run_time_is_enforced_when_the_gateway_has_a_sp
     path.write_text(f"{KEYS['a']}\n")
     app = make_gateway(tmp_path, ok_local, extra={"tenants": [{"name": "a", "api_keys_file": str(path)}],
                                                    "priority_classes": CLASSES, "budget": {"hourly_usd": 5}})
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.put("/admin/tenants/a", json={"limits": {"hourly_usd": 0.5}}, headers=ADMIN)
     assert r.status_code == 200, r.text
     caps = app.state.gateway.router.tenant_caps["a"]
@@ -181,7 +181,7 @@ async def test_a_spend_cap_set_at_run_time_is_enforced_when_the_gateway_has_a_sp
 
 async def test_no_key_is_logged_or_returned(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
-    c = await _client(gateway(tmp_path))
+    c = await started_client(gateway(tmp_path))
     secret = "sk-oops-pasted-a-key-9d2f"
     r = await c.put("/admin/tenants/a", json={"api_key": secret, "limits": {"max_concurrency": 2}}, headers=ADMIN)
     assert r.status_code == 400 and secret not in r.text

@@ -12,16 +12,16 @@ import threading
 import httpx
 import pytest
 
-from tests.unit.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, stream_response
+from lmfleet.testing.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, started_client, stream_response
 from tests.unit.test_gateway_tenants import (
     ADMIN,
     CHAT,
     CLASSES,
-    _client,
-    _stop_gateways,  # noqa: F401  (autouse fixture: closes the gateways a test started)
     _until,
     ok_local,
 )
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
 OLD, NEW, BETA = "sk-rot-old-4f1", "sk-rot-new-9c2", "sk-rot-beta-77e"
 FLAT_OLD, FLAT_NEW = "sk-flat-a-1d0", "sk-flat-b-2e9"
@@ -59,7 +59,7 @@ async def status(c: httpx.AsyncClient, key: str) -> int:
 
 async def test_a_rotated_key_file_holds_at_the_next_look_without_a_restart(tmp_path):
     app = rotating_gateway(tmp_path, flat=True)
-    c = await _client(app)
+    c = await started_client(app)
     assert [await status(c, k) for k in (OLD, NEW, BETA, FLAT_OLD, FLAT_NEW)] == [200, 401, 200, 200, 401]
     write_keys(tmp_path / "a.keys", NEW)
     write_keys(tmp_path / "flat.keys", FLAT_NEW)
@@ -73,7 +73,7 @@ async def test_a_rotated_key_file_holds_at_the_next_look_without_a_restart(tmp_p
 
 async def test_rotated_keys_resolve_to_the_tenants_settings_changed_at_run_time(tmp_path):
     app = rotating_gateway(tmp_path)
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.put("/admin/tenants/a", json={"priority": "batch"}, headers=ADMIN)
     assert r.status_code == 200, r.text
     write_keys(tmp_path / "a.keys", OLD, NEW)
@@ -109,7 +109,7 @@ async def test_a_request_in_flight_when_its_key_is_removed_is_answered(tmp_path)
     release = threading.Event()
     app = rotating_gateway(tmp_path, local=held_until(release), limits={"max_concurrency": 5})
     book, q = app.state.gateway.router.tenants, app.state.gateway.models["m"].queue
-    c = await _client(app)
+    c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
     streaming = asyncio.create_task(c.post("/v1/chat/completions", json={**held, "stream": True},
                                            headers=bearer(OLD)))
@@ -127,7 +127,7 @@ async def test_a_request_in_flight_when_its_key_is_removed_is_answered(tmp_path)
 
 @pytest.mark.parametrize("headers,code", [({}, 401), (bearer(OLD), 401), ({"authorization": "Bearer nope"}, 401)])
 async def test_the_reload_route_needs_the_admin_key(tmp_path, headers, code):
-    c = await _client(rotating_gateway(tmp_path))
+    c = await started_client(rotating_gateway(tmp_path))
     r = await c.post("/admin/keys/reload", headers=headers)
     assert r.status_code == code and r.json()["error"]["code"] == "invalid_api_key"
 
@@ -135,7 +135,7 @@ async def test_the_reload_route_needs_the_admin_key(tmp_path, headers, code):
 async def test_the_reload_route_rereads_now_and_answers_counts_only(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     app = rotating_gateway(tmp_path, flat=True)
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/admin/keys/reload", headers=ADMIN)
     assert r.status_code == 200
     assert r.json() == {"tenants": {"default": {"keys": 1, "reloadable": True}, "a": {"keys": 1, "reloadable": True},
@@ -160,7 +160,7 @@ async def test_the_reload_route_rereads_now_and_answers_counts_only(tmp_path, ca
 
 async def test_env_keys_are_reported_as_not_reloadable(tmp_path):
     app = make_gateway(tmp_path, ok_local, api_keys={FLAT_OLD})  # gateway.api_keys_env only
-    c = await _client(app)
+    c = await started_client(app)
     r = await c.post("/admin/keys/reload", headers=ADMIN)
     assert r.status_code == 200
     assert r.json() == {"tenants": {"default": {"keys": 1, "reloadable": False}}, "changed": [], "errors": []}

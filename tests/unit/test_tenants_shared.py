@@ -14,12 +14,11 @@ import threading
 import pytest
 
 from lmfleet.config.tenants import TenantConfig, TenantLimits, default_priority_classes
-from lmfleet.overflow.store import PostgresSpendStore, SqliteSpendStore, StoreUnavailable
-from lmfleet.overflow.store._rate import TenantCounts
+from lmfleet.store import PostgresSpendStore, SqliteSpendStore, StoreUnavailable
+from lmfleet.store import TenantCounts
 from lmfleet.tenants import Outcome, Reason, TenantBook, TenantDirectory
 from lmfleet.tenants.shared import SharedLimits
-from tests.support.pg_server import PgUnavailable
-from tests.support.pg_shared import fresh_database, shared_pg_server
+from lmfleet.testing.pg_shared import fresh_database
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,15 +26,6 @@ CLASSES = default_priority_classes()
 INTERACTIVE, BATCH = CLASSES
 T0 = 1_800_000_000.0  # a multiple of 60
 KEY = "tenant:a:rate"
-
-
-@pytest.fixture(scope="session")
-def pg_server():
-    pytest.importorskip("psycopg", reason="the PostgreSQL client is missing: pip install -e '.[test]'")
-    try:
-        return shared_pg_server()
-    except PgUnavailable as e:
-        pytest.skip(f"PostgreSQL server cannot be started here: {e}")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -25,6 +25,7 @@ from lmfleet.bench.metrics import SLO, percentile
 from lmfleet.bench.report import build_report, write_csv, write_json
 from lmfleet.bench.workload import (BenchInputError, BenchRequest, PromptSynthesizer, WorkloadMix, check_context,
                                     load_dataset, sample_requests)
+from lmfleet.models import BUILTIN_MODELS, resolve_source
 from lmfleet.models.tokenizer import TokenizerLoadError, load_tokenizer
 
 
@@ -84,8 +85,6 @@ def probe_target(base_url: str, model: str, api_key: str | None, timeout: float 
 def resolve_tokenizer_path(spec_tokenizer: str | None, model: str, info: TargetInfo) -> str:
     """``--tokenizer`` (a path, hub id or ``builtin:NAME``); else the server's model folder (vLLM's
     ``root``) if it exists here; else ``builtin:<model>`` when the model name is a built-in."""
-    from lmfleet.models import BUILTIN_MODELS, resolve_source
-
     if spec_tokenizer:
         if spec_tokenizer.startswith("builtin:"):
             try:

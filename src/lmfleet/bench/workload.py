@@ -21,8 +21,10 @@ from typing import Any, Literal, Protocol
 
 import yaml
 
+from lmfleet.errors import LmfleetError
 
-class BenchInputError(ValueError):
+
+class BenchInputError(LmfleetError, ValueError):
     """Bad benchmark input (mix, options, target); the CLI prints it and exits 2 before any load is sent."""
 
 

@@ -7,14 +7,14 @@ answers (:func:`check_gpu_fit`, :func:`check_links`) are pure and live beside, t
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lmfleet.check.gpu_probe import DEFAULT_BUSY_FRACTION, NodeGpus, probe_gpus
 from lmfleet.check.hardware import Hardware, NodeView, node_view_from_probe
 from lmfleet.check.planner import GiB
 from lmfleet.check.result import CheckResult, failed, passed, skipped, warned
+from lmfleet.cluster.gpu_probe import DEFAULT_BUSY_FRACTION, NodeGpus
+from lmfleet.cluster.nodes import alive_nodes, node_labels, pinned, probe_nodes
 from lmfleet.config.models import FleetConfig
 
 MiB = 1024**2
@@ -29,58 +29,10 @@ class Link:
     payload_bytes: int
 
 
-def _alive_nodes() -> list[dict[str, Any]]:
-    import ray
-
-    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeManagerAddress"])
-
-
-def _labels(nodes: list[dict[str, Any]]) -> dict[str, str]:
-    """Node id -> IP, with a short node id added where several nodes share an IP (one machine, several raylets)."""
-    ips = [n["NodeManagerAddress"] for n in nodes]
-    return {n["NodeID"]: n["NodeManagerAddress"] + (f"/{n['NodeID'][:6]}" if ips.count(n["NodeManagerAddress"]) > 1 else "")
-            for n in nodes}
-
-
-def _pinned(fn: Any, node_id: str) -> Any:
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False))
-
-
-def probe_nodes(names: Mapping[str, str], *, busy_fraction: float = DEFAULT_BUSY_FRACTION,
-                timeout_s: float = 60.0) -> dict[str, NodeGpus]:
-    """Run :func:`probe_gpus` on each Ray node (a zero-resource task pinned by node id): node id -> answer.
-
-    ``names``: node id -> the name an answer carries when its node could not answer (task failed, or not
-    done within ``timeout_s`` for all nodes together; such tasks are cancelled). The one NVML path through
-    Ray, for ``lmfleet check`` and ``lmfleet cluster status``.
-    """
-    import ray
-
-    if not names:
-        return {}
-    probe = ray.remote(num_cpus=0, max_retries=0)(probe_gpus)
-    refs = {nid: _pinned(probe, nid).remote(busy_fraction=busy_fraction) for nid in names}
-    ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    for ref in pending:
-        ray.cancel(ref, force=True)
-    out: dict[str, NodeGpus] = {}
-    for nid, ref in refs.items():
-        if ref in ready:
-            try:
-                out[nid] = ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - a node that cannot run the task is a finding, not a crash
-                out[nid] = NodeGpus(names[nid], error=f"probe task failed: {type(e).__name__}: {e}")
-        else:
-            out[nid] = NodeGpus(names[nid], error=f"probe task did not finish within {timeout_s:g} s (node busy?)")
-    return out
-
-
 def gather_inventory(*, busy_fraction: float = DEFAULT_BUSY_FRACTION, timeout_s: float = 60.0) -> Hardware:
-    """Run :func:`probe_gpus` on every alive Ray node (tasks pinned by node id, no GPUs claimed)."""
-    nodes = _alive_nodes()
-    labels = _labels(nodes)
+    """Run :func:`~lmfleet.cluster.gpu_probe.probe_gpus` on every alive Ray node (tasks pinned by node id, no GPUs claimed)."""
+    nodes = alive_nodes()
+    labels = node_labels(nodes)
     answers = probe_nodes(labels, busy_fraction=busy_fraction, timeout_s=timeout_s)
     views = []
     for n in nodes:
@@ -91,29 +43,6 @@ def gather_inventory(*, busy_fraction: float = DEFAULT_BUSY_FRACTION, timeout_s:
                            "memory_bytes": n["Resources"].get("memory", 0)})
         views.append(node_view_from_probe(answer, f"{answer.hostname} ({name})"))
     return Hardware(tuple(views), True, f"{len(views)} Ray node(s), NVML through Ray tasks")
-
-
-def probe_rdma_nodes(timeout_s: float = 60.0) -> dict[str, list[Any]]:
-    """Each alive node's RDMA ports (:func:`lmfleet.check.nic_probe.probe_rdma`, a zero-resource task pinned to the
-    node): node label -> ports. A node whose task fails or times out answers no ports."""
-    import ray
-
-    from lmfleet.check.nic_probe import probe_rdma
-
-    nodes = _alive_nodes()
-    labels = _labels(nodes)
-    probe = ray.remote(num_cpus=0, max_retries=0)(probe_rdma)
-    refs = {labels[n["NodeID"]]: _pinned(probe, n["NodeID"]).remote() for n in nodes}
-    ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    for ref in pending:
-        ray.cancel(ref, force=True)
-    out: dict[str, list[Any]] = {}
-    for name, ref in refs.items():
-        try:
-            out[name] = ray.get(ref) if ref in ready else []
-        except Exception:  # noqa: BLE001 - a node that cannot answer has no RDMA path we can vouch for
-            out[name] = []
-    return out
 
 
 def _make(nbytes: int) -> Any:
@@ -136,17 +65,17 @@ def measure_links(*, payload_bytes: int = 64 * MiB, repeats: int = 3) -> list[Li
 
     make = ray.remote(num_cpus=0)(_make)
     pull = ray.remote(num_cpus=0)(_pull)
-    nodes = _alive_nodes()
-    labels = _labels(nodes)
+    nodes = alive_nodes()
+    labels = node_labels(nodes)
     links = []
     for i, a in enumerate(nodes):
         for b in nodes[i + 1:]:
             def best(n: int) -> float:
                 times = []
                 for _ in range(repeats):
-                    ref = _pinned(make, a["NodeID"]).remote(n)
+                    ref = pinned(make, a["NodeID"]).remote(n)
                     ray.wait([ref], fetch_local=False)
-                    times.append(ray.get(_pinned(pull, b["NodeID"]).remote([ref])))
+                    times.append(ray.get(pinned(pull, b["NodeID"]).remote([ref])))
                     del ref
                 return min(times)
 

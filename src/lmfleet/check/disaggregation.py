@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation checks: how big each prompt's KV cache is, and which path carries it between pools.
 
 Pure decisions on data gathered elsewhere (the memory plan, the link measurements, each node's RDMA ports from
-:mod:`lmfleet.check.nic_probe`); no I/O.
+:mod:`lmfleet.cluster.nic_probe`); no I/O.
 
 How KV connectors move the cache (vLLM 0.32, docs/deepseek.md):
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from lmfleet.check.hardware import Hardware
-from lmfleet.check.nic_probe import RdmaPort
+from lmfleet.cluster.nic_probe import RdmaPort
 from lmfleet.check.planner import GiB, MemoryPlan
 from lmfleet.check.result import CheckResult, passed, skipped, warned
 from lmfleet.config.models import FleetConfig, ModelConfig

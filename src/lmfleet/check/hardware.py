@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmfleet.check.gpu_probe import NodeGpus
-from lmfleet.check.gpus import DEFAULT_BANDWIDTH_GBS, GPU_MODELS, GpuModel, bandwidth_for, gpu_model
+from lmfleet.cluster.gpu_probe import NodeGpus
+from lmfleet.config.gpus import DEFAULT_BANDWIDTH_GBS, GPU_MODELS, GpuModel, bandwidth_for, gpu_model
 from lmfleet.config.models import FleetConfig
 
 __all__ = ["DEFAULT_BANDWIDTH_GBS", "GPU_MODELS", "GpuModel", "Hardware", "NodeView", "bandwidth_for", "gpu_model",

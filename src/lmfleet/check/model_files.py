@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lmfleet.config.models import ModelConfig
+from lmfleet.models import resolve_source
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,6 @@ def _hf_cache_folder(repo_id: str) -> Path | None:
 def find_model_files(source: str, *, build_builtin: bool = True) -> ModelFiles:
     """Locate ``source`` (as written in a fleet file) offline."""
     if source.startswith("builtin:"):
-        from lmfleet.models import resolve_source
-
         if not build_builtin:
             return ModelFiles(None, None, f"{source} not built (run `lmfleet serve` once)")
         folder = Path(resolve_source(source, progress=lambda _m: None))

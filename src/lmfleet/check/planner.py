@@ -57,6 +57,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from lmfleet.errors import LmfleetError
+
 GiB = 1024**3
 
 __all__ = [
@@ -78,7 +80,7 @@ __all__ = [
 ]
 
 
-class PlanError(ValueError):
+class PlanError(LmfleetError, ValueError):
     """The inputs cannot be planned (unknown quantization, a config missing a needed field...)."""
 
 

@@ -13,19 +13,20 @@ from lmfleet.check.cluster import (
     check_links,
     gather_inventory,
     measure_links,
-    probe_rdma_nodes,
 )
+from lmfleet.check.disaggregation import check_kv_transfer_path, check_kv_transfer_size
 from lmfleet.check.exposure import check_replica_exposure
-from lmfleet.check.gpu_probe import DEFAULT_BUSY_FRACTION
 from lmfleet.check.hardware import GpuModel, Hardware, bandwidth_for, gpu_model, hardware_from_config
 from lmfleet.check.memory import check_host_memory, check_memory, no_arch
 from lmfleet.check.model_files import find_model_files, tokenizer_location
-from lmfleet.check.disaggregation import check_kv_transfer_path, check_kv_transfer_size
 from lmfleet.check.parallelism import check_expert_parallel, check_parallelism, valid_tp_sizes
 from lmfleet.check.planner import PlanError, arch_from_config
 from lmfleet.check.result import CheckResult, failed, passed, skipped
 from lmfleet.check.timeouts import LoadAssumptions, check_timeouts
 from lmfleet.check.tokenizer import check_tokenizer
+from lmfleet.cluster.connect import LocalHead, connect, resolve_ray_address
+from lmfleet.cluster.gpu_probe import DEFAULT_BUSY_FRACTION
+from lmfleet.cluster.nodes import probe_rdma_nodes
 from lmfleet.config.models import FleetConfig
 
 
@@ -47,8 +48,6 @@ class CheckOptions:
 def ray_connection(address: str | None, progress: Callable[[str], None]) -> Iterator[str]:
     """Join ``address`` (already resolved), or start a throwaway single-node Ray that is shut down afterwards."""
     import ray
-
-    from lmfleet.cluster.connect import LocalHead, connect
 
     if address:
         progress(f"joining Ray at {address}")
@@ -138,8 +137,6 @@ def run_checks(cfg: FleetConfig, opts: CheckOptions, progress: Callable[[str], N
         links: list[Link] = []
         results += check_kv_transfer_path(cfg, hw, links, None)
     else:
-        from lmfleet.cluster.connect import resolve_ray_address
-
         address = resolve_ray_address(opts.address, cfg)
         with ray_connection(address, progress) as desc:
             progress("asking every node's NVML through Ray tasks")

@@ -140,8 +140,8 @@ def run(url: str = O["url"], model: str = O["model"], api_key: Optional[str] = O
     render_tables(report, Console())
     paths = write_outputs(report, out)
     for problem in check_consistency(report):
-        typer.echo(f"warning: {problem}", err=True)
-    typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}", err=True)
+        typer.echo(f"lmfleet: warning: {problem}", err=True)
+    typer.echo(f"lmfleet: wrote {', '.join(str(p) for p in paths.values())}", err=True)
 
 
 @app.command("sweep")
@@ -192,4 +192,4 @@ def sweep(over: str = typer.Option(..., "--over", help="What to sweep: rate, use
         fail(str(e), 1)
     paths = write_sweep(rows, over, out)
     typer.echo(json.dumps(rows, indent=2))
-    typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}", err=True)
+    typer.echo(f"lmfleet: wrote {', '.join(str(p) for p in paths.values())}", err=True)

@@ -17,9 +17,19 @@ import typer
 import yaml
 
 from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
-from lmfleet.cluster.join import JoinError, JoinSpec, auth_env, normalize_head_address, parse_labels, ray_start_argv
+from lmfleet.cluster.join import (
+    JoinError,
+    JoinSpec,
+    auth_env,
+    normalize_head_address,
+    parse_labels,
+    present_ray_token,
+    ray_start_argv,
+)
 from lmfleet.cluster.launcher import LauncherError, launcher_config, launcher_warnings, manual_commands
 from lmfleet.cluster.placement import nodes_from_cluster, plan_placement
+from lmfleet.cluster.probe import collect_status
+from lmfleet.cluster.status import render_status
 from lmfleet.config.models import FleetConfig
 
 app = typer.Typer(help="Start, join and inspect the Ray cluster the fleet runs on.", no_args_is_help=True)
@@ -50,9 +60,9 @@ def _ensure_token(path_text: str) -> Path:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-        typer.echo(f"created a new Ray auth token in {path} (mode 0600)", err=True)
+        typer.echo(f"lmfleet: created a new Ray auth token in {path} (mode 0600)", err=True)
     elif path.stat().st_mode & 0o077:
-        typer.echo(f"warning: the Ray auth token {path} is readable by others (mode "
+        typer.echo(f"lmfleet: warning: the Ray auth token {path} is readable by others (mode "
                    f"{path.stat().st_mode & 0o777:04o}); anyone who reads it can join or drive the cluster. "
                    f"Run: chmod 600 {shlex.quote(str(path))}", err=True)
     return path
@@ -77,7 +87,7 @@ def up(
     cfg = load_or_exit(config)
     path, text = _launcher_file(cfg)
     for w in launcher_warnings(cfg.cluster):
-        typer.echo(f"warning: {w}", err=True)
+        typer.echo(f"lmfleet: warning: {w}", err=True)
     if print_only:
         typer.echo(f"# {path}\n{text}")
         typer.echo("# Or by hand, without ray up:")
@@ -87,9 +97,9 @@ def up(
     _ensure_token(cfg.cluster.auth_token_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    typer.echo(f"wrote {path}")
+    typer.echo(f"lmfleet: wrote {path}")
     argv = [_ray_bin(), "up", str(path), *(["-y"] if yes else [])]
-    typer.echo("running: " + shlex.join(argv))
+    typer.echo("lmfleet: running: " + shlex.join(argv))
     raise typer.Exit(subprocess.call(argv))
 
 
@@ -158,9 +168,6 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Nodes (alive/dead, CPUs, GPUs and free memory, labels), replicas and where they run, per-model load."""
-    from lmfleet.cluster.probe import collect_status
-    from lmfleet.serve.gateway_proc import present_ray_token
-
     cfg = load_or_exit(config) if config else None
     present_ray_token()  # a head started by `lmfleet serve` (ray.init) requires the token too
     gateway_url = gateway
@@ -180,8 +187,6 @@ def status(
             out["gateways"] = [{**asdict(r), "workers": r.workers} for r in rows]
         typer.echo(json.dumps(out, indent=2))
     else:
-        from lmfleet.cluster.status import render_status
-
         typer.echo(render_status(st), nl=False)
         if rows is not None:
             typer.echo(render_gateways(rows), nl=False)
@@ -190,12 +195,12 @@ def status(
 
 def _gateways() -> list | None:
     """Every gateway of the cluster's fleets, from their registry (lmfleet.gateway.routing.peers); None if unknown."""
-    from lmfleet.gateway.routing.peers import gateway_rows, list_gateways
+    from lmfleet.gateway.routing.peers import gateway_rows, list_gateways  # imports Ray (see lmfleet.cli)
 
     try:
         answer = list_gateways()
     except Exception as e:  # the status of nodes and replicas is still worth printing
-        typer.echo(f"warning: cannot read the gateway registry: {e}", err=True)
+        typer.echo(f"lmfleet: warning: cannot read the gateway registry: {e}", err=True)
         return None
     return gateway_rows(answer) if answer is not None else []
 

@@ -7,13 +7,14 @@ Put several of them behind a load balancer (docs/gateways.md, examples/haproxy/)
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from lmfleet.cli.common import load_or_exit
+from lmfleet.cli.terminal import open_terminal
+from lmfleet.cluster.connect import resolve_ray_address
 
 
 def gateway(
@@ -31,21 +32,17 @@ def gateway(
     wait_timeout: float = typer.Option(900.0, help="Seconds to wait for the fleet's models to be running."),
     reuse_port: bool = typer.Option(False, "--reuse-port", hidden=True, help="Share the port (SO_REUSEPORT)."),
     worker: bool = typer.Option(False, "--worker", hidden=True, help="Started by another gateway process."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print Ray's and the gateway's own log lines "
+                                 "here (else: the log file this command names)."),
 ) -> None:
     """Serve the fleet's models from this node (no deployments): join the cluster, wait for the models, listen."""
-    from lmfleet.cluster.connect import resolve_ray_address
-    from lmfleet.serve.gateway_proc import run_gateway
+    from lmfleet.serve.gateway_proc import run_gateway  # imports the gateway and Ray (see lmfleet.cli)
 
     fleet = load_or_exit(config)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "ray", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-    def progress(line: str) -> None:
-        typer.echo(line, err=line.startswith("lmfleet: error"))
-
+    # a worker writes where the process that started it writes (that one's terminal or log file)
+    term = open_terminal("gateway", verbose=verbose or worker)
     code = run_gateway(fleet, config_path=config, host=host or fleet.gateway.host, port=port or fleet.gateway.port,
                        address=resolve_ray_address(address, fleet), serve_url=serve_url,
                        workers=workers or fleet.gateway.workers, reuse_port=reuse_port, worker=worker,
-                       wait_timeout_s=wait_timeout, progress=progress)
-    raise typer.Exit(code)
+                       wait_timeout_s=wait_timeout, progress=term.say)
+    term.exit(code)

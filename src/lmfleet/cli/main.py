@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from lmfleet.cli import bench, check, cluster, gateway, profile, serve, usage
 from lmfleet.cli.common import load_or_exit
 from lmfleet.config import default_config_text
 from lmfleet.config.models import FleetConfig
@@ -48,23 +49,19 @@ def config_default() -> None:
     typer.echo(default_config_text(), nl=False)
 
 
-def _register() -> None:
-    from lmfleet.cli import bench, check, cluster, gateway, serve, usage
-
-    app.command("serve")(serve.serve)
-    app.command("gateway")(gateway.gateway)
-    app.command("check")(check.check)
-    app.command("usage")(usage.usage)
-    app.add_typer(cluster.app, name="cluster")
-    app.add_typer(bench.app, name="bench")
-    from lmfleet.cli import profile
-    app.command("profile")(profile.profile)
-
-
-_register()
+app.command("serve")(serve.serve)
+app.command("gateway")(gateway.gateway)
+app.command("check")(check.check)
+app.command("usage")(usage.usage)
+app.add_typer(cluster.app, name="cluster")
+app.add_typer(bench.app, name="bench")
+app.command("profile")(profile.profile)
 
 
 def main() -> None:
+    from lmfleet.cli.terminal import standalone
+
+    standalone()
     app(prog_name="lmfleet")
 
 

@@ -14,6 +14,10 @@ import typer
 
 from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
 from lmfleet.config.models import FleetConfig
+from lmfleet.engine.app import profiler_trace_dir
+from lmfleet.profile.anatomy import render_table
+from lmfleet.profile.client import LoadSpec, ProfileClient, ProfileError, run_profile
+from lmfleet.profile.traces import not_configured_message
 
 ADMIN_KEY_ENV = "LMFLEET_ADMIN_KEY"
 """Where the admin key is read from when the fleet file names no ``gateway.admin_key_env``."""
@@ -35,7 +39,7 @@ def admin_key(fleet: FleetConfig) -> str | None:
 
 def client_key(fleet: FleetConfig) -> str | None:
     """A client key for the built-in load: the fleet's first configured key (None: the gateway is open)."""
-    from lmfleet.gateway.build import load_api_keys
+    from lmfleet.gateway.build import load_api_keys  # imports the gateway (see lmfleet.cli)
 
     try:
         keys = load_api_keys(fleet.gateway, os.environ)
@@ -60,10 +64,6 @@ def profile(
     record engine traces on every replica and gather them from every node.
 
     Exit 1 when the gateway refuses or cannot be reached; 2 on bad options or a fleet file that does not load."""
-    from lmfleet.engine.app import profiler_trace_dir
-    from lmfleet.profile.traces import not_configured_message
-    from lmfleet.profile.anatomy import render_table
-    from lmfleet.profile.client import LoadSpec, ProfileClient, ProfileError, run_profile
 
     fleet = load_or_exit(config)
     names = [m.name for m in fleet.models]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from lmfleet.cli.common import load_or_exit
+from lmfleet.cli.terminal import open_terminal
+from lmfleet.serve.timing import Phases
 
 
 def serve(
@@ -24,13 +25,12 @@ def serve(
                                  help="Also print the engines' and Ray's own log lines here (else: Ray's log folder)."),
 ) -> None:
     """Deploy every model of the fleet on Ray Serve (vLLM engines) and serve the OpenAI-compatible gateway."""
-    from lmfleet.serve.runner import run_serve
+    from lmfleet.serve.runner import run_serve  # imports the gateway and Ray (see lmfleet.cli)
 
+    phases = Phases()
     fleet = load_or_exit(config)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "ray", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    term = open_terminal("serve", verbose=verbose)
     code = run_serve(fleet, host=host or fleet.gateway.host, port=port or fleet.gateway.port, address=address,
-                     deploy_timeout_s=deploy_timeout, progress=lambda s: typer.echo(s, err=False),
-                     workers=gateway_workers, config_path=config, verbose=verbose)
-    raise typer.Exit(code)
+                     deploy_timeout_s=deploy_timeout, progress=term.say, workers=gateway_workers,
+                     config_path=config, verbose=verbose, phases=phases)
+    term.exit(code)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -16,8 +15,7 @@ from rich.table import Table
 
 from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
 from lmfleet.config.models import LedgerConfig
-from lmfleet.overflow.ledger import DEFAULT_TENANT, Grouping, UsageRow, describe, open_ledger
-from lmfleet.overflow.store.base import SpendStoreError, StoreUnavailable
+from lmfleet.store import DEFAULT_TENANT, Grouping, SpendStoreError, StoreUnavailable, UsageRow, describe, open_ledger
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -80,8 +78,6 @@ def usage(
             total = led.totals(since=start, by=by)  # type: ignore[arg-type]
     except StoreUnavailable as e:
         fail(str(e), 1)
-    except (OSError, sqlite3.Error) as e:
-        fail(f"ledger {where}: {e}", 1)
     except SpendStoreError as e:  # ledger.password_env unset, psycopg missing
         fail(f"ledger: {e}", EXIT_USAGE)
     if as_json:

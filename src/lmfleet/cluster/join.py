@@ -6,15 +6,18 @@ put on the command line (where ``ps`` shows it) and never printed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from lmfleet.errors import LmfleetError
+
 DEFAULT_TOKEN_PATH = "~/.ray/auth_token"
 
 
-class JoinError(ValueError):
+class JoinError(LmfleetError, ValueError):
     """The join cannot be set up; the message says how to fix it."""
 
 
@@ -106,3 +109,15 @@ def _check_token_file(path: Path, where: str) -> None:
         raise JoinError(f"{where}: token file {str(path)!r} does not exist")
     if not path.read_text().strip():
         raise JoinError(f"{where}: token file {str(path)!r} is empty")
+
+
+def present_ray_token(environ: dict[str, str] | None = None) -> None:
+    """Join with the cluster's auth token when one is at hand (``RAY_AUTH_TOKEN[_PATH]``, ``~/.ray/auth_token``):
+    a Ray 2.60 head, ``ray.init`` ones included, requires it by default, and a driver sends it only with
+    ``RAY_AUTH_MODE=token``. An explicit ``RAY_AUTH_MODE`` is left alone; with no token, nothing is set (the
+    cluster may run without auth)."""
+    environ = os.environ if environ is None else environ
+    if "RAY_AUTH_MODE" in environ:
+        return
+    with contextlib.suppress(JoinError):
+        environ.update(auth_env(environ, None))

@@ -15,11 +15,12 @@ import shlex
 from typing import Any
 
 from lmfleet.config.models import ClusterConfig, NodeConfig
+from lmfleet.errors import LmfleetError
 
 REMOTE_TOKEN_PATH = "~/.ray/auth_token"
 
 
-class LauncherError(ValueError):
+class LauncherError(LmfleetError, ValueError):
     """The cluster section cannot describe a launchable cluster (says what is missing)."""
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from lmfleet.cluster.gpu_probe import probe_gpus
 from lmfleet.config.models import ClusterConfig, ModelConfig
 
 
@@ -123,8 +124,6 @@ def cluster_has_gpus() -> bool:
 
     if ray.is_initialized():
         return ray.cluster_resources().get("GPU", 0) > 0
-    from lmfleet.check.gpu_probe import probe_gpus
-
     return bool(probe_gpus().gpus)  # never raises: no driver / no library answers with no GPUs
 
 

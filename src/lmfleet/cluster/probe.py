@@ -7,8 +7,10 @@ from typing import Any
 
 import httpx
 
-from lmfleet.check.cluster import probe_nodes
-from lmfleet.check.gpu_probe import NodeGpus
+from lmfleet import ray_private
+from lmfleet.cluster.connect import connect as join, resolve_ray_address
+from lmfleet.cluster.gpu_probe import NodeGpus
+from lmfleet.cluster.nodes import probe_nodes
 from lmfleet.cluster.status import (
     ClusterStatus,
     GpuMemory,
@@ -29,7 +31,6 @@ def connect(address: str | None, fleet: FleetConfig | None = None) -> None:
     """
     import ray
 
-    from lmfleet.cluster.connect import connect as join, resolve_ray_address
 
     if ray.is_initialized():
         return
@@ -51,11 +52,10 @@ def _gpu_memory_on(node_ids: list[str], timeout_s: float) -> dict[str, list[GpuM
 def ray_side(timeout_s: float = 30.0) -> ClusterStatus:
     """Nodes and Serve deployments of the connected cluster."""
     import ray
-    from ray._private import state as ray_state
 
     errors: list[str] = []
     raw_nodes = ray.nodes()
-    available = ray_state.available_resources_per_node()
+    available = ray_private.available_resources_per_node()
     gpu_nodes = [n["NodeID"] for n in raw_nodes if n.get("Alive") and (n.get("Resources") or {}).get("GPU")]
     gpu_mem = _gpu_memory_on(gpu_nodes, timeout_s) if gpu_nodes else {}
     nodes = parse_nodes(raw_nodes, available, gpu_mem)

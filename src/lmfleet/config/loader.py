@@ -12,11 +12,12 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from lmfleet.config.models import FleetConfig
+from lmfleet.errors import LmfleetError
 
 DEFAULT_FLEET = "default.yaml"
 
 
-class ConfigError(Exception):
+class ConfigError(LmfleetError):
     """A fleet file that cannot be used. ``str()`` is the full, user-facing message."""
 
     def __init__(self, source: str, problems: list[str]):

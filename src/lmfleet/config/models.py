@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lmfleet.config.gpus import gpu_model
+from lmfleet.config.routing import routing_problems, routing_validation_error
 from lmfleet.config.tenants import (
     PriorityClassList,
     TenantConfig,
@@ -17,6 +19,7 @@ from lmfleet.config.tenants import (
     default_priority_classes,
     tenant_validation_error,
 )
+from lmfleet.models.registry import BUILTIN_ENGINE_DEFAULTS, BUILTIN_MODELS
 
 _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 
@@ -73,7 +76,8 @@ class EngineConfig(_Strict):
     enable_chunked_prefill: bool | None = Field(None, description="Chunked prefill. Null: vLLM's default.")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Token budget of one engine step.")
     max_num_seqs: int | None = Field(None, ge=1, description="Sequences in flight per engine (vLLM's batch size).")
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
+    enforce_eager: bool = Field(False, description="Run the model eagerly: no torch.compile and no CUDA graphs (a "
+                                "faster start, usually slower tokens; vLLM --enforce-eager).")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint.")
     cpu_kvcache_space_gib: int | None = Field(
         None, ge=1, description="CPU engines only: KV-cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE)."
@@ -395,8 +399,6 @@ class ModelConfig(_Strict):
     @classmethod
     def _builtin_known(cls, v: str) -> str:
         if v.startswith("builtin:"):
-            from lmfleet.models.registry import BUILTIN_MODELS
-
             if v.removeprefix("builtin:") not in BUILTIN_MODELS:
                 raise ValueError(f"unknown builtin model {v!r}; expected one of {sorted('builtin:' + k for k in BUILTIN_MODELS)}")
         return v
@@ -437,8 +439,6 @@ class ModelConfig(_Strict):
     @model_validator(mode="after")
     def _builtin_engine_defaults(self) -> "ModelConfig":
         """A built-in model's own engine defaults replace ``auto`` values (resolved once, seen by every consumer)."""
-        from lmfleet.models.registry import BUILTIN_ENGINE_DEFAULTS
-
         for key, value in BUILTIN_ENGINE_DEFAULTS.get(self.source.removeprefix("builtin:"), {}).items():
             if getattr(self.engine, key) == "auto":
                 setattr(self.engine, key, value)
@@ -707,8 +707,6 @@ class ClusterConfig(_Strict):
     @field_validator("gpu")
     @classmethod
     def _known_gpu(cls, v: str | None) -> str | None:
-        from lmfleet.check.gpus import gpu_model
-
         if v is not None:
             gpu_model(v)  # ValueError names the presets
         return v
@@ -755,8 +753,6 @@ class FleetConfig(_Strict):
 
     @model_validator(mode="after")
     def _routing_refs(self) -> "FleetConfig":
-        from lmfleet.config.routing import routing_problems, routing_validation_error
-
         problems = routing_problems(self)
         if problems:
             raise routing_validation_error(problems)

@@ -14,9 +14,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from lmfleet import ray_private
+from lmfleet.cluster.placement import serve_placement
 from lmfleet.config.models import DeploymentConfig, FleetConfig, ModelConfig
 from lmfleet.engine.routing import check_router_available, request_router_config
 from lmfleet.models import resolve_source
+from lmfleet.overflow.cost import local_hourly_cost_usd
+from lmfleet.overflow.estimator import local_capacity
 
 
 def _slug(name: str) -> str:
@@ -79,9 +83,6 @@ def model_max_len(model: ModelConfig, model_path: str) -> int | None:
 def resolve_model(model: ModelConfig, model_path: str, tokenizer_path: str | None = None,
                   llm_config: Any = None) -> ModelApp:
     """The resolved record of one model whose weights are at ``model_path`` (no Ray needed)."""
-    from lmfleet.overflow.cost import local_hourly_cost_usd
-    from lmfleet.overflow.estimator import local_capacity
-
     device = engine_device(model)
     return ModelApp(model, model.name, model_app_name(model.name), model_route_prefix(model.name), model_path,
                     tokenizer_path or model_path, model_max_len(model, model_path), local_capacity(model), device,
@@ -143,14 +144,15 @@ def profiler_config(model: ModelConfig) -> dict[str, Any] | None:
     return {"profiler": "torch", "torch_profiler_dir": d, "torch_profiler_with_stack": False} if d else None
 
 
+LOCAL_FOLDER_INIT = "lmfleet.engine.node_init.LocalFolderInit"
+"""Ray Serve LLM's callback for models that are a local folder (imported by the replica, by name)."""
+
 NO_MEDIA_DOMAINS = ("media-fetching-disabled.invalid",)
 """vLLM's ``allowed_media_domains`` unless engine.extra_args sets it: ``.invalid`` never resolves (RFC 2606)."""
 
 
 def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     """Keyword arguments for ``ray.serve.llm.LLMConfig`` (kept as plain data for unit tests)."""
-    from lmfleet.cluster.placement import serve_placement
-
     engine_kwargs = model.engine.vllm_kwargs()
     if model.tokenizer:
         engine_kwargs["tokenizer"] = resolve_source(model.tokenizer)
@@ -170,6 +172,8 @@ def llm_config_kwargs(model: ModelConfig, model_path: str) -> dict[str, Any]:
     }
     if model.deployment.stream_batching_interval_ms is not None:
         kwargs["experimental_configs"] = {"stream_batching_interval_ms": model.deployment.stream_batching_interval_ms}
+    if Path(model_path).is_dir():  # nothing to download: no per-node download task (lmfleet.engine.node_init)
+        kwargs["callback_config"] = {"callback_class": LOCAL_FOLDER_INIT}
     env = engine_env(model)
     if env:
         kwargs["runtime_env"] = {"env_vars": env}
@@ -255,21 +259,17 @@ def bind_app(app: ModelApp):
         # starts) minus the LLMRouter peer and the RoundRobinRouter it sets: with HAProxy in front, Serve refuses a
         # request router class on the ingress deployment and HAProxy balances itself
         from ray import serve
-        from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+        from ray.serve.llm import LLMServer, build_llm_deployment
 
-        from lmfleet.engine.replica import FleetLLMServer
-
-        return build_llm_deployment(app.llm_config, name_prefix="LLMServer:",  # Ray's name, not the subclass's
-                                    deployment_cls=serve.ingress()(app.llm_config.server_cls or FleetLLMServer))
+        return build_llm_deployment(app.llm_config, name_prefix="LLMServer:",
+                                    deployment_cls=serve.ingress()(app.llm_config.server_cls or LLMServer))
     return build_openai_app({"llm_configs": [app.llm_config]})
 
 
 def direct_streaming_enabled() -> bool:
     """Whether Ray Serve LLM's builders run in direct-streaming mode in this process (``lmfleet serve`` sets
     ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`` before Ray is imported when ``gateway.serve_proxy`` is haproxy)."""
-    from ray.llm._internal.serve.constants import RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING
-
-    return bool(RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING)
+    return ray_private.llm_direct_streaming_enabled()
 
 
 def skip_ingress_router(model: ModelConfig, direct_streaming: bool | None = None) -> bool:
@@ -279,8 +279,8 @@ def skip_ingress_router(model: ModelConfig, direct_streaming: bool | None = None
     calls it (``POST /internal/route``, one HTTP round trip to a Python replica) before every request, only to
     learn which replica to use. For ``request_router: default`` there is nothing for it to know: HAProxy's own
     balancing (``leastconn`` by default, ``RAY_SERVE_HAPROXY_BALANCE_ALGORITHM``) picks the replica with the
-    fewest requests in flight from what it already sees. Measured with ``benchmarks/bench_ttft_path.py``: the
-    router call was most of the time HAProxy's path added over bare vLLM at one stream (docs/benchmarks.md).
+    fewest requests in flight from what it already sees. Measured hop by hop: the router call was most of the
+    time HAProxy's path added over bare vLLM at one stream (docs/benchmarks.md).
     The routers that need it (prefix_aware, kv_aware, an explicit round_robin) keep it.
     """
     if direct_streaming is None:

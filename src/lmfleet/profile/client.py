@@ -19,6 +19,9 @@ from typing import Any
 
 import httpx
 
+from lmfleet.bench.loadgen import LoadPlan, Target, run_load as bench_load
+from lmfleet.bench.workload import BenchRequest
+from lmfleet.errors import LmfleetError
 from lmfleet.profile.anatomy import Anatomy, anatomies, diff, engine_settled, from_json, to_json
 
 __all__ = ["LoadSpec", "ProfileClient", "ProfileError", "ProfileResult", "run_load", "run_profile"]
@@ -27,7 +30,7 @@ SETTLE_S = 20.0
 """How long to wait after the window for Ray to export the engines' figures of its last requests."""
 
 
-class ProfileError(Exception):
+class ProfileError(LmfleetError):
     """A failure with a message for the operator (no traceback)."""
 
 
@@ -87,10 +90,6 @@ class ProfileClient:
 def run_load(base_url: str, models: list[str], load: LoadSpec, duration_s: float) -> dict[str, dict[str, int]]:
     """``load.users`` streams per model for ``duration_s`` through the gateway (lmfleet bench's generator);
     returns per model how many requests succeeded and failed."""
-    from lmfleet.bench.loadgen import LoadPlan, Target
-    from lmfleet.bench.loadgen import run_load as bench_load
-    from lmfleet.bench.workload import BenchRequest
-
     req = BenchRequest(cls="profile", api="chat", input_tokens=0, max_tokens=load.max_tokens,
                        messages=[{"role": "user", "content": load.prompt}])
     plan = LoadPlan(users=load.users, duration=duration_s, timeout=max(60.0, duration_s * 4))

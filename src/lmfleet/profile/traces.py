@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmfleet import ray_private
 from lmfleet.models.registry import cache_dir
 
 __all__ = ["EngineControl", "NodeFiles", "RayEngineControl", "llm_deployments", "safe_part"]
@@ -147,9 +148,7 @@ class RayEngineControl:
         return [serve.get_deployment_handle(n, app_name=app_name) for n in names]
 
     def _broadcast(self, app_name: str, method: str) -> int:
-        from ray.llm._internal.serve.utils.broadcast import broadcast
-
-        return sum(len(broadcast(h, method)) for h in self._handles(app_name))
+        return sum(len(ray_private.broadcast(h, method)) for h in self._handles(app_name))
 
     def start(self, app_name: str) -> int:
         return self._broadcast(app_name, "start_profile")

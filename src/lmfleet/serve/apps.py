@@ -6,10 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from lmfleet.errors import LmfleetError
+
 __all__ = ["DeployError", "app_states", "wait_until_running"]
 
 
-class DeployError(RuntimeError):
+class DeployError(LmfleetError, RuntimeError):
     """A model's deployment failed; the message says which and why."""
 
 

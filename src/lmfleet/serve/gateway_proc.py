@@ -24,7 +24,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lmfleet.cluster.connect import connect
+from lmfleet.cluster.join import present_ray_token
 from lmfleet.config.models import FleetConfig
+from lmfleet.engine.app import gateway_model_apps
+from lmfleet.gateway import build_gateway
+from lmfleet.gateway.front.access import GatewayConfigError
+from lmfleet.gateway.build import check_ledger, preflight
+from lmfleet.gateway.routing.health import serve_status_fetcher
+from lmfleet.gateway.routing.peers import PeerBoard, list_gateways, node_address
+from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
+from lmfleet.gateway.front.server import uvicorn_options
+from lmfleet.store import StoreUnavailable
+from lmfleet.serve.apps import DeployError, wait_until_running
 
 log = logging.getLogger("lmfleet.serve")
 
@@ -75,7 +87,6 @@ class GatewayServer:
     def __init__(self, app: Any, fleet: FleetConfig, sock: socket.socket) -> None:
         import uvicorn
 
-        from lmfleet.gateway.front.server import uvicorn_options
 
         self.sock = sock
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10,
@@ -113,8 +124,6 @@ def stop_event() -> asyncio.Event:
 
 def attach_peers(app: Any, host: str, port: int, role: str, period_s: float = 0.25) -> None:
     """Report this gateway to the cluster's registry and count the others' load (needs a connected Ray)."""
-    from lmfleet.gateway.routing.peers import PeerBoard
-
     gw = app.state.gateway
     gw.peers = PeerBoard({n: m.local.tracker for n, m in gw.models.items()}, host=host, port=port, role=role,
                          meters={n: m.local.meter for n, m in gw.models.items()}, routes=gw.models,
@@ -194,8 +203,6 @@ async def wait_workers_listening(procs: list[subprocess.Popen], timeout_s: float
 
 def registered_pids() -> set[int]:
     """Pids of the gateways on this node that reported to the cluster's registry."""
-    from lmfleet.gateway.routing.peers import list_gateways, node_address
-
     answer = list_gateways() or {"gateways": []}
     node = node_address()
     return {int(g.get("pid", -1)) for g in answer["gateways"] if g.get("node") == node}
@@ -268,20 +275,6 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
                               f"or `lmfleet cluster up`, or pass the head's GCS address with --address") from None
 
 
-def present_ray_token(environ: dict[str, str] | None = None) -> None:
-    """Join with the cluster's auth token when one is at hand (``RAY_AUTH_TOKEN[_PATH]``, ``~/.ray/auth_token``):
-    a Ray 2.60 head, ``ray.init`` ones included, requires it by default, and a driver sends it only with
-    ``RAY_AUTH_MODE=token``. An explicit ``RAY_AUTH_MODE`` is left alone; with no token, nothing is set (the
-    cluster may run without auth)."""
-    from lmfleet.cluster.join import JoinError, auth_env
-
-    environ = os.environ if environ is None else environ
-    if "RAY_AUTH_MODE" in environ:
-        return
-    with contextlib.suppress(JoinError):
-        environ.update(auth_env(environ, None))
-
-
 def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port: int, address: str | None,
                 serve_url: str | None, workers: int, reuse_port: bool = False, worker: bool = False,
                 wait_timeout_s: float = 900.0, progress: Callable[[str], None] = print) -> int:
@@ -289,12 +282,6 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
     elsewhere in the cluster. ``address``: the Ray head (None: the cluster running on this machine). Returns the
     exit code: 0 after SIGINT/SIGTERM, 1 (no cluster, port taken, apps failed, ledger database unreachable),
     2 (settings that would leave it open), 130 (interrupted while starting)."""
-    from lmfleet.cluster.connect import connect
-    from lmfleet.engine.app import gateway_model_apps
-    from lmfleet.gateway.front.access import GatewayConfigError
-    from lmfleet.gateway.build import check_ledger, preflight
-    from lmfleet.overflow.store import StoreUnavailable
-
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     procs: list[subprocess.Popen] = []
     reuse_port = reuse_port or workers > 1
@@ -349,11 +336,6 @@ async def _gateway_main(fleet: FleetConfig, apps: list[Any], sock: socket.socket
                         host: str, port: int, gcs: str, serve_url: str, workers: int, worker: bool,
                         wait_timeout_s: float, progress: Callable[[str], None],
                         procs: list[subprocess.Popen]) -> int:
-    from lmfleet.gateway import build_gateway
-    from lmfleet.gateway.routing.health import serve_status_fetcher
-    from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
-    from lmfleet.serve.apps import DeployError, wait_until_running
-
     stop = stop_event()
     waiting = asyncio.create_task(asyncio.to_thread(
         wait_until_running, {a.name: a.app_name for a in apps}, wait_timeout_s,

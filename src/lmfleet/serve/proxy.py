@@ -25,6 +25,10 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 from lmfleet.config.models import FleetConfig
+from lmfleet.engine.routing import routing_env
+from lmfleet.errors import LmfleetError
+from lmfleet.serve.processes import end_processes
+from lmfleet.net import free_port
 
 HAPROXY = "haproxy"
 SERVE = "serve"
@@ -55,7 +59,7 @@ ALL_INTERFACES = "0.0.0.0"
 LOOPBACK = "127.0.0.1"
 
 
-class ProxyError(RuntimeError):
+class ProxyError(LmfleetError, RuntimeError):
     """HAProxy cannot be used; the message is one line and says how to fall back."""
 
 
@@ -82,8 +86,6 @@ def serve_env(fleet: FleetConfig, ports: HaproxyPorts | None = None) -> dict[str
         env[THROUGHPUT_OPTIMIZED] = "1"
         if ports is not None:
             env |= {STATS_PORT: str(ports.stats), METRICS_PORT: str(ports.metrics), FALLBACK_PORT: str(ports.fallback)}
-        from lmfleet.engine.routing import routing_env
-
         env |= routing_env(fleet)  # routers that read the prompt need HAProxy to forward request bodies
     return env
 
@@ -167,68 +169,8 @@ def is_node_haproxy(cmdline: list[str], node_id: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # the two I/O helpers: free ports for a local head, and HAProxy processes Ray leaves behind
 # ---------------------------------------------------------------------------------------------
-# Ports chosen now and bound only later (HAProxy binds its stats, Prometheus and serve ports tens of seconds
-# after lmfleet picks them, once Ray and Serve are up) must not be ones the OS or Ray may hand out meanwhile:
-# the kernel's ephemeral range (every outgoing connection and every bind to port 0 takes one; a test run
-# lost a fleet to "cannot bind socket (Address already in use)" for HAProxy's Prometheus port); everything
-# below 20000: the well-known ports of Ray and its neighbours (GCS 6379, dashboard 8265, Serve 8000/9000,
-# HAProxy's defaults 8404/9101, the fallback proxy's 8500, PostgreSQL 5432, ...) and Ray's worker ports
-# (10002-19999, the client's 10001); and Serve's direct-ingress replica ports (HTTP 30000-31000, gRPC
-# 40000-41000). What is left: 20000-29999, 31001-32767 and 61000-65535 with Linux's default ephemeral range.
-RESERVED_PORTS: tuple[tuple[int, int], ...] = ((0, 19999), (30000, 31000), (40000, 41000))
-DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
-
-
-def quiet_port_ranges(ephemeral: tuple[int, int], reserved: tuple[tuple[int, int], ...] = RESERVED_PORTS,
-                      top: int = 65535) -> list[tuple[int, int]]:
-    """Inclusive port ranges outside ``ephemeral`` and every ``reserved`` range (all inclusive)."""
-    out: list[tuple[int, int]] = []
-    nxt = 0
-    for lo, hi in sorted([ephemeral, *reserved]):
-        if lo > nxt:
-            out.append((nxt, min(lo - 1, top)))
-        nxt = max(nxt, hi + 1)
-    if nxt <= top:
-        out.append((nxt, top))
-    return [(lo, hi) for lo, hi in out if lo <= hi]
-
-
-def ephemeral_port_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
-    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
-    try:
-        with open(path) as f:
-            lo, hi = (int(x) for x in f.read().split()[:2])
-        return lo, hi
-    except (OSError, ValueError):
-        return DEFAULT_EPHEMERAL
-
-
-def free_port(host: str = "", tries: int = 200, exclude: frozenset[int] = frozenset()) -> int:
-    """A port free on ``host`` now, outside the ranges others may take before we bind it (``RESERVED_PORTS``
-    and the ephemeral range); an OS-chosen one if ``tries`` random picks all fail."""
-    import random
-    import socket
-
-    ranges = quiet_port_ranges(ephemeral_port_range())
-    weights = [hi - lo + 1 for lo, hi in ranges]
-    for _ in range(tries if ranges else 0):
-        lo, hi = random.choices(ranges, weights)[0]
-        port = random.randint(lo, hi)
-        if port in exclude:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def free_ports() -> HaproxyPorts:
-    """Three distinct ports free now on all interfaces (see :func:`free_port`)."""
+    """Three distinct ports free now on all interfaces (see :func:`lmfleet.net.free_port`)."""
     ports: list[int] = []
     while len(ports) < 3:
         p = free_port(exclude=frozenset(ports))
@@ -277,8 +219,6 @@ def node_haproxies(node_id: str) -> list:
 
 def end_node_haproxies(node_id: str, grace_s: float = 5.0) -> int:
     """End (by pid) every HAProxy that Serve started for ``node_id``; returns how many were alive."""
-    from lmfleet.serve.processes import end_processes
-
     return end_processes(node_haproxies(node_id), grace_s)
 
 

@@ -22,13 +22,51 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lmfleet import ray_private
+from lmfleet.cluster.connect import LocalHead, connect, resolve_ray_address
 from lmfleet.config.models import FleetConfig
+from lmfleet.engine.app import bind_app, build_model_apps
+from lmfleet.gateway import build_gateway
+from lmfleet.gateway.front.access import GatewayConfigError
+from lmfleet.gateway.build import check_ledger, preflight
+from lmfleet.gateway.routing.health import serve_status_fetcher
+from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
+from lmfleet.store import StoreUnavailable
 from lmfleet.serve.apps import DeployError, app_states, wait_until_running
+from lmfleet.serve.gateway_proc import (
+    GatewayServer,
+    WORKER_START_S,
+    attach_peers,
+    listen_socket,
+    loop_factory,
+    registered_pids,
+    spawn_workers,
+    stop_event,
+    stop_workers,
+    wait_workers_listening,
+)
 from lmfleet.serve.processes import ProcessReaper
+from lmfleet.serve.timing import Phases
+from lmfleet.serve.proxy import (
+    ProxyError,
+    apply_env,
+    check_haproxy,
+    effective_env,
+    end_node_haproxies,
+    free_ports,
+    haproxy_error,
+    port_in_use,
+    remove_node_files,
+    serve_env,
+    serve_http_host,
+    uses_haproxy,
+    wait_listening,
+)
 
 __all__ = ["DeployError", "app_states", "run_serve", "wait_until_running"]
 
@@ -42,16 +80,12 @@ HAPROXY_START_S = 90.0  # Serve's HAProxyManager starts HAProxy within seconds; 
 # Ray and Serve
 # ---------------------------------------------------------------------------------------------
 def ray_address(fleet: FleetConfig, cli_address: str | None) -> str | None:
-    from lmfleet.cluster.connect import resolve_ray_address
-
     return resolve_ray_address(cli_address, fleet)
 
 
 def prepare_serve_proxy(fleet: FleetConfig) -> None:
     """Set Ray Serve's proxy switches before anything imports Ray Serve (it reads them at import time);
     in HAProxy mode, fail now with one line if HAProxy cannot run."""
-    from lmfleet.serve.proxy import ProxyError, apply_env, check_haproxy, serve_env, uses_haproxy
-
     apply_env(serve_env(fleet), os.environ)
     if uses_haproxy(fleet):
         try:
@@ -65,9 +99,6 @@ def connect_ray(fleet: FleetConfig, address: str | None, *, verbose: bool = Fals
 
     ``verbose``: the engines' and Ray's own log lines are copied to this terminal (else they stay in Ray's log
     folder, :func:`ray_logs_dir`)."""
-    from lmfleet.cluster.connect import LocalHead, connect
-    from lmfleet.serve.proxy import effective_env, free_ports, serve_env, uses_haproxy
-
     quiet = dict(logging_level=logging.INFO if verbose else logging.WARNING, configure_logging=True,
                  log_to_driver=verbose)
     if address:
@@ -81,10 +112,7 @@ def connect_ray(fleet: FleetConfig, address: str | None, *, verbose: bool = Fals
 def ray_logs_dir() -> str | None:
     """This node's Ray log folder for the connected session (the engines' logs are under it), if known."""
     try:
-        from ray._private import worker
-
-        node = worker._global_node
-        return node.get_logs_dir_path() if node is not None else None
+        return ray_private.ray_logs_dir()
     except Exception:  # a private API: a Ray that moved it costs the hint, nothing else
         return None
 
@@ -92,11 +120,9 @@ def ray_logs_dir() -> str | None:
 def start_serve(fleet: FleetConfig, *, local_head: bool = True) -> None:
     """Start Serve with its proxy (HAProxy or Serve's own, per gateway.serve_proxy) on serve_port of the head."""
     from ray import serve
-    from ray.serve._private import constants
 
-    from lmfleet.serve.proxy import effective_env, port_in_use, serve_env, serve_http_host, uses_haproxy
 
-    if constants.RAY_SERVE_ENABLE_HA_PROXY != uses_haproxy(fleet):
+    if ray_private.serve_haproxy_enabled() != uses_haproxy(fleet):
         raise DeployError("Ray Serve was imported before lmfleet set RAY_SERVE_ENABLE_HA_PROXY; "
                           f"gateway.serve_proxy={fleet.gateway.serve_proxy!r} cannot take effect")
     port = fleet.gateway.serve_port
@@ -106,14 +132,18 @@ def start_serve(fleet: FleetConfig, *, local_head: bool = True) -> None:
                     "without auth; firewall them (docs/multinode.md)", port)
     if local_head and port_in_use("127.0.0.1", port):
         raise DeployError(f"gateway.serve_port {port} is already in use on 127.0.0.1; choose another port")
-    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
-                controller_options={"runtime_env": {"env_vars": effective_env(serve_env(fleet), os.environ)}})
+    from ray.exceptions import RayError
+
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
+                    controller_options={"runtime_env": {"env_vars": effective_env(serve_env(fleet), os.environ)}})
+    except RayError as e:  # e.g. Serve gave up on its proxy actor on a machine too loaded to start it in time
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DeployError(f"Ray Serve did not start ({type(e).__name__}: {first}); see Ray's serve logs") from None
 
 
 def check_serve_proxy(fleet: FleetConfig, *, local_head: bool) -> None:
     """On a local head in HAProxy mode, wait until HAProxy listens on serve_port (it starts while engines load)."""
-    from lmfleet.serve.proxy import haproxy_error, uses_haproxy, wait_listening
-
     port = fleet.gateway.serve_port
     if local_head and uses_haproxy(fleet) and not wait_listening("127.0.0.1", port, HAPROXY_START_S):
         raise DeployError(haproxy_error(f"nothing listens on 127.0.0.1:{port} {HAPROXY_START_S:.0f} s after Serve "
@@ -124,7 +154,6 @@ def deploy(apps: list[Any]) -> None:
     from ray import serve
     from ray.serve.api import RunTarget
 
-    from lmfleet.engine.app import bind_app
 
     from ray.serve.exceptions import RayServeException
 
@@ -140,14 +169,7 @@ def deploy(apps: list[Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progress: Callable[[str], None],
                deploy_timeout_s: float, workers: int, config_path: Path | None,
-               procs: list[subprocess.Popen]) -> int:
-    from lmfleet.gateway import build_gateway
-    from lmfleet.gateway.routing.health import serve_status_fetcher
-    from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
-    from lmfleet.serve.gateway_proc import (
-        WORKER_START_S, GatewayServer, attach_peers, listen_socket, registered_pids, spawn_workers, stop_event,
-        wait_workers_listening)
-
+               procs: list[subprocess.Popen], phases: Phases) -> int:
     stop = stop_event()
     serve_url = f"http://127.0.0.1:{fleet.gateway.serve_port}"
     app = build_gateway(fleet, apps, serve_url=serve_url, host=host,
@@ -166,6 +188,7 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
     url = f"http://{host}:{port}"
     progress(f"lmfleet: gateway listening on {url} (not ready until the engines are up; see {url}/ready)")
 
+    engines_from = time.monotonic()
     wait = asyncio.create_task(asyncio.to_thread(
         wait_until_running, {a.name: a.app_name for a in apps}, deploy_timeout_s, progress, stop.is_set))
     stopper = asyncio.create_task(stop.wait())
@@ -177,8 +200,10 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
             progress(f"lmfleet: error: {exc}")
             code = 1
         elif exc is None:
+            phases.add("engines", time.monotonic() - engines_from)
             health.refresh_from(await asyncio.to_thread(serve_status_fetcher()))
             names = ", ".join(a.name for a in apps)
+            progress(phases.line())
             progress(f"lmfleet: ready. OpenAI-compatible API at {url}/v1 serving: {names}")
             progress(f"lmfleet: try  curl {url}/v1/chat/completions -H 'content-type: application/json' "
                      f"-d '{{\"model\": \"{apps[0].name}\", \"messages\": [{{\"role\": \"user\", "
@@ -225,18 +250,16 @@ def _gcs_address() -> str:
 
 def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
               deploy_timeout_s: float = 900.0, progress: Callable[[str], None] = print,
-              workers: int | None = None, config_path: Path | None = None, verbose: bool = False) -> int:
+              workers: int | None = None, config_path: Path | None = None, verbose: bool = False,
+              phases: Phases | None = None) -> int:
     """Run the whole fleet until SIGINT/SIGTERM. Returns the process exit code.
 
     ``workers`` (default ``gateway.workers``): gateway processes on host:port; the extra ones are started after
-    the ready banner (``lmfleet gateway --worker``, re-reading ``config_path``) and stopped before the teardown."""
-    from lmfleet.engine.app import build_model_apps
-    from lmfleet.gateway.front.access import GatewayConfigError
-    from lmfleet.overflow.store import StoreUnavailable
-
-    from lmfleet.serve.gateway_proc import loop_factory, stop_workers
+    the ready banner (``lmfleet gateway --worker``, re-reading ``config_path``) and stopped before the teardown.
+    ``phases``: where start-up time goes (the ready line names each step)."""
 
     workers = workers or fleet.gateway.workers
+    phases = phases or Phases()
     config_path = config_path.resolve() if config_path else None  # workers and the hint below: any cwd
     procs: list[subprocess.Popen] = []
     reaper = ProcessReaper()
@@ -246,28 +269,33 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     # a second Ctrl-C during start-up must still clean up, so SIGTERM behaves like SIGINT until the loop runs
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        from lmfleet.gateway.build import check_ledger, preflight
-
         preflight(fleet, host)  # a gateway that could not start must not cost minutes of deploying first
         check_ledger(fleet)
         prepare_serve_proxy(fleet)
-        apps = build_model_apps(fleet, progress=progress)
+        with phases.step("imports"):  # Ray Serve LLM (and vLLM under it): tens of seconds on a small machine
+            import ray.serve.llm  # noqa: F401
+        with phases.step("model"):
+            apps = build_model_apps(fleet, progress=progress)
         addr = ray_address(fleet, address)
         progress(f"lmfleet: {'joining Ray cluster at ' + addr if addr else 'starting a local Ray head'}...")
-        started_ray = connect_ray(fleet, addr, verbose=verbose)
+        with phases.step("Ray"):
+            started_ray = connect_ray(fleet, addr, verbose=verbose)
         logs = ray_logs_dir()
         if logs and not verbose:
             progress(f"lmfleet: engine and Ray logs go to {logs} (--verbose shows them here)")
         reaper.snapshot()
+        serve_from = time.monotonic()
         start_serve(fleet, local_head=started_ray)
         progress(f"lmfleet: Ray Serve's HTTP proxy on port {fleet.gateway.serve_port}: "
                  f"{'HAProxy (direct streaming)' if fleet.gateway.serve_proxy == 'haproxy' else 'Serve proxy'}")
         progress(f"lmfleet: deploying {len(apps)} model(s) on Ray Serve: {', '.join(a.name for a in apps)}")
         deploy(apps)
+        phases.add("Serve", time.monotonic() - serve_from)
         check_serve_proxy(fleet, local_head=started_ray)
         reaper.snapshot()
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            code = runner.run(_run(fleet, apps, host, port, progress, deploy_timeout_s, workers, config_path, procs))
+            code = runner.run(_run(fleet, apps, host, port, progress, deploy_timeout_s, workers, config_path, procs,
+                                   phases))
     except KeyboardInterrupt:
         progress("lmfleet: interrupted")
         code = 130
@@ -323,8 +351,6 @@ def _teardown(apps: list[Any], started_ray: bool, progress: Callable[[str], None
         ray.shutdown()
     if node_id:
         # HAProxy reloads spawn new processes; one started during shutdown can outlive its manager actor
-        from lmfleet.serve.proxy import end_node_haproxies, remove_node_files
-
         n = end_node_haproxies(node_id)
         if n:
             progress(f"lmfleet: ended {n} HAProxy process(es) left by Ray Serve")

@@ -6,7 +6,7 @@
                                                    # StoreUnavailable (503)
     await admin.poll_forever()                     # in the gateway's lifespan: other processes' changes
 
-Persisted in the spend store's database (``tenant_overrides``, ``overflow/store/_overrides.py``): every gateway
+Persisted in the spend store's database (``tenant_overrides``, ``lmfleet/store/tenants.py``): every gateway
 process (and node, with PostgreSQL) shares it and polls ``MAX(version)`` every ``poll_s``; a change is applied by
 swapping the :class:`Tenant` in the :class:`TenantDirectory` (keys keep resolving, now to the new settings), resizing
 its windows in the :class:`TenantBook` and replacing its spend caps. Requests already admitted keep what they got.
@@ -24,8 +24,7 @@ from pydantic import ValidationError
 
 from lmfleet.errors import LmfleetError
 from lmfleet.config.tenants import TenantProblem, TenantSettings, TenantUpdate, check_settings
-from lmfleet.overflow.store import Cap, StoreUnavailable, caps_for_budget, tenant_key
-from lmfleet.overflow.store._overrides import TenantOverride
+from lmfleet.store import Cap, StoreUnavailable, TenantOverride, caps_for_budget, tenant_key
 from lmfleet.tenants.book import TenantBook
 from lmfleet.tenants.directory import Tenant, TenantDirectory
 

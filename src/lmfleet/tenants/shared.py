@@ -3,7 +3,7 @@
     shared = SharedLimits(store, slot_ttl_s=660, workers=fleet.gateway.workers)
     book = TenantBook(directory, classes, shared=shared)
 
-The store (``lmfleet.overflow.store.SqlSpendStore``: SQLite on one node, PostgreSQL for several) holds each
+The store (``lmfleet.store.SqlSpendStore``: SQLite on one node, PostgreSQL for several) holds each
 limited tenant's slots in flight and rate windows, and admits in one locked transaction
 (:meth:`CounterStore.admit_tenant`); the decision itself stays :func:`lmfleet.tenants.admit`'s. Releases and
 tokens are written by one background thread, so the event loop never waits on the database for them.
@@ -23,8 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from lmfleet.overflow.store._rate import TenantCounts
-from lmfleet.overflow.store.base import StoreUnavailable
+from lmfleet.store import StoreUnavailable, TenantCounts
 
 __all__ = ["CounterStore", "SharedLimits", "StoreUnavailable", "TenantCounts"]
 
@@ -33,7 +32,7 @@ _log = logging.getLogger(__name__)
 
 
 class CounterStore(Protocol):
-    """What :class:`SharedLimits` needs of a store (``SqlSpendStore`` has it: ``overflow/store/_rate.py``)."""
+    """What :class:`SharedLimits` needs of a store (``SqlSpendStore`` has it: ``lmfleet/store/tenants.py``)."""
 
     def admit_tenant(self, key: str, decide: Callable[[TenantCounts], tuple[bool, T]], *, now: float,
                      window_s: float, slot_ttl_s: float | None, count_request: bool) -> tuple[T, str | None]: ...

@@ -36,9 +36,7 @@ from lmfleet.gateway.front.access import read_json
 from lmfleet.gateway.front.errors import GatewayError, error_body
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import OverflowMode
-from lmfleet.overflow.ledger import Grouping
-from lmfleet.overflow.ledger.sqlite import Ledger
-from lmfleet.overflow.store import SqliteSpendStore, StoreUnavailable
+from lmfleet.store import Grouping, Ledger, SqliteSpendStore, StoreUnavailable
 from lmfleet.tenants import TenantBook, TenantDirectory
 from lmfleet.tenants.admin import TenantAdmin, TenantSettingsError
 from lmfleet.tenants.keys import KeyFiles

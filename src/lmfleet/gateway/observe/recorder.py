@@ -19,9 +19,8 @@ from typing import Any
 
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.routing.backends import Backend
-from lmfleet.overflow import Ledger
 from lmfleet.overflow.money import usd_to_nusd
-from lmfleet.overflow.store import SpendStore, StoreUnavailable, UsageRecord
+from lmfleet.store import Ledger, SpendStore, StoreUnavailable, UsageRecord
 
 log = logging.getLogger("lmfleet.gateway")
 

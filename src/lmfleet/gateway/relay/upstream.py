@@ -5,7 +5,7 @@ both; an :class:`Endpoint` says where to send, with which model name, credential
 Failures are classified into the :class:`~lmfleet.gateway.front.errors.UpstreamError` tree here and nowhere else.
 
 The HTTP client is aiohttp: on this data path it costs ~0.3 ms of CPU per 32-token stream where httpx cost
-~5.9 ms (measured on the 2-core CI machine against tests/support/fast_openai_server.py; see
+~5.9 ms (measured on the 2-core CI machine against ``lmfleet.testing.fast_openai_server``; see
 docs/benchmarks.md), and every streamed token passes through here.
 """
 

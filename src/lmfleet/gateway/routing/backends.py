@@ -31,7 +31,7 @@ from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.front.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
 from lmfleet.gateway.routing.health import HealthBoard
 from lmfleet.gateway.relay.upstream import Endpoint, HttpPool
-from lmfleet.overflow.store import Cap, Reservation
+from lmfleet.store import Cap, Reservation
 from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, Reason, backoff_s, external_cost_usd
 from lmfleet.overflow.breaker import Admission
 from lmfleet.provenance import local_label, provider_label

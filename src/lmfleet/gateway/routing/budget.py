@@ -6,7 +6,7 @@
     guard.release(reservation) when the attempt failed before anything was served.
 
 Reservations are atomic across the gateway's processes (the ledger's SQLite file) or nodes (its PostgreSQL
-database, ``ledger.url``; see ``lmfleet.overflow.store``), so no cap is ever exceeded, whatever the
+database, ``ledger.url``; see ``lmfleet.store``), so no cap is ever exceeded, whatever the
 concurrency: the budget check in ``router.py`` is a cheap early look; this is the guarantee.
 
 A store that cannot be used (database down, disk full, lock held too long) fails closed and closes the
@@ -31,7 +31,7 @@ from typing import Any
 
 from lmfleet.config.models import ProviderPrice
 from lmfleet.gateway.observe.metrics import GatewayMetrics
-from lmfleet.overflow.store import Cap, Reservation, SpendStore, StoreUnavailable, worst_case_cost_nusd
+from lmfleet.store import Cap, Reservation, SpendStore, StoreUnavailable, worst_case_cost_nusd
 
 log = logging.getLogger("lmfleet.gateway")
 

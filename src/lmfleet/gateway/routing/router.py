@@ -30,7 +30,6 @@ from lmfleet.gateway.front.errors import GatewayError
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.overflow import (
     BudgetStatus,
-    Ledger,
     OverflowMode,
     ProviderCandidate,
     QueueSignals,
@@ -41,7 +40,7 @@ from lmfleet.overflow import (
     estimate_wait_ms,
 )
 from lmfleet.overflow.budget import DAY_S
-from lmfleet.overflow.store import Cap, StoreUnavailable, caps_for_budget, tenant_key
+from lmfleet.store import Cap, Ledger, StoreUnavailable, caps_for_budget, tenant_key
 from lmfleet.tenants import PRIORITY_HEADER, Outcome, Tenant, TenantBook, Ticket
 
 log = logging.getLogger("lmfleet.gateway")

@@ -1,0 +1,87 @@
+"""Every private Ray symbol lmfleet uses, in one place (written for Ray 2.60.0).
+
+lmfleet otherwise uses only Ray's public API (``ray``, ``ray.serve``, ``ray.serve.llm``). Each symbol below has
+no public equivalent in Ray 2.60.0; the table says what lmfleet needs it for. ``tests/unit/test_ray_private.py``
+imports each one and checks the names, signatures and attributes lmfleet relies on, so that a Ray upgrade that
+moves or changes one fails there, naming the symbol and :data:`RAY_VERSION`, rather than at run time.
+
+=====================================================  ====================================================
+symbol                                                  why it stays
+=====================================================  ====================================================
+``ray._private.worker._global_node``                    the connected session's log folder (where the
+                                                        engines' logs are), printed when a deploy fails
+``ray._private.state.available_resources_per_node``     free CPUs/GPUs per node for ``lmfleet cluster
+                                                        status`` (``ray.available_resources`` sums them)
+``ray.serve._private.constants.RAY_SERVE_ENABLE_HA_PROXY``  whether Serve read HAProxy mode at its import:
+                                                        ``lmfleet serve`` refuses to start when it differs
+                                                        from ``gateway.serve_proxy``
+``ray.llm._internal.serve.constants.                    whether Ray Serve LLM's builders run in direct-
+RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING``                 streaming mode (decides the single-model builder)
+``ray.llm._internal.serve.utils.broadcast.broadcast``   calls ``start_profile``/``stop_profile`` on every
+                                                        replica of a deployment (``/admin/profile``)
+``ray.serve._private.request_router.                    the default router's choice for requests without a
+PowerOfTwoChoicesRequestRouter``                        prompt in ``request_router: prefix_aware``
+=====================================================  ====================================================
+
+``lmfleet.engine.prefix_router`` also subclasses the public ``PrefixCacheAffinityRouter`` and uses its private
+members (:data:`PREFIX_ROUTER_MEMBERS`); the same test checks them.
+
+Ray is imported inside each accessor: importing Ray (and Ray Serve LLM, which imports vLLM) takes seconds, and
+the CLI's ``--help`` and the gateway's unit tests must not pay for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+RAY_VERSION = "2.60.0"
+"""The Ray release these symbols were written and checked against."""
+
+PREFIX_ROUTER_MEMBERS = ("_extract_text_from_request", "_probe_queue_lens", "initialize_state",
+                         "choose_replicas", "on_request_routed")
+"""Members of Ray's ``PrefixCacheAffinityRouter`` that ``lmfleet.engine.prefix_router`` calls or overrides
+(besides the attributes ``initialize_state`` sets: ``_tree_actor``, ``_imbalanced_threshold``,
+``_match_rate_threshold``)."""
+
+
+def ray_logs_dir() -> str | None:
+    """This node's Ray log folder for the connected session, or None when not connected."""
+    from ray._private import worker
+
+    node = worker._global_node
+    return node.get_logs_dir_path() if node is not None else None
+
+
+def available_resources_per_node() -> dict[str, dict[str, float]]:
+    """Free resources per live node id (the connected cluster's)."""
+    from ray._private import state
+
+    return state.available_resources_per_node()
+
+
+def serve_haproxy_enabled() -> bool:
+    """Whether Ray Serve runs HAProxy as its proxy in this process (read by Serve from the environment at import)."""
+    from ray.serve._private import constants
+
+    return bool(constants.RAY_SERVE_ENABLE_HA_PROXY)
+
+
+def llm_direct_streaming_enabled() -> bool:
+    """Whether Ray Serve LLM's builders run in direct-streaming mode in this process (read at import)."""
+    from ray.llm._internal.serve.constants import RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING
+
+    return bool(RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING)
+
+
+def broadcast(handle: Any, method_name: str) -> list[Any]:
+    """Call ``method_name`` on every replica behind a Serve deployment handle; one result per replica."""
+    from ray.llm._internal.serve.utils.broadcast import broadcast as ray_broadcast
+
+    return ray_broadcast(handle, method_name)
+
+
+def power_of_two_choices_router() -> type:
+    """Serve's default request router class (the less loaded of two random replicas)."""
+    from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+
+    return PowerOfTwoChoicesRequestRouter

@@ -1,0 +1,161 @@
+"""lmfleet's subpackages import each other without cycles, counting every import (function-level ones too); its
+exceptions share one root.
+
+The graph is read from the source with ``ast``: a node is a subpackage (``lmfleet.gateway``) or a top-level
+module (``lmfleet.errors``), an edge ``a -> b`` means some module of ``a`` imports something of ``b``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+import lmfleet
+from lmfleet.errors import LmfleetError
+
+SRC = Path(lmfleet.__file__).parent
+
+
+def _unit(module: str) -> str | None:
+    """``lmfleet.gateway.app`` -> ``gateway``; ``lmfleet.errors`` -> ``errors``; non-lmfleet -> None."""
+    parts = module.split(".")
+    if parts[0] != "lmfleet" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imported(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """Every module name an import statement anywhere in ``tree`` refers to (relative imports resolved)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base if is_package else base[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.add(target)
+            # ``from lmfleet import errors``: the names may be submodules
+            out.update(f"{target}.{a.name}" for a in node.names)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in sorted(SRC.rglob("*.py")):
+        module = _module_name(path)
+        src_unit = _unit(module)
+        if src_unit is None:
+            continue
+        graph[src_unit]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for target in _imported(tree, module, path.name == "__init__.py"):
+            dst = _unit(target)
+            if dst is not None and dst != src_unit and ((SRC / dst).is_dir() or (SRC / f"{dst}.py").exists()):
+                graph[src_unit].add(dst)
+    return dict(graph)
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted: every node of one reaches
+    every other, so each is one or more import cycles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(components)
+
+
+def _edge_sources(a: str, b: str) -> list[str]:
+    """The modules of ``a`` that import ``b`` (for the failure message)."""
+    out = []
+    for path in sorted((SRC / a).rglob("*.py") if (SRC / a).is_dir() else [SRC / f"{a}.py"]):
+        module = _module_name(path)
+        targets = _imported(ast.parse(path.read_text()), module, path.name == "__init__.py")
+        if any(_unit(t) == b for t in targets):
+            out.append(str(path.relative_to(SRC.parent)))
+    return out
+
+
+def test_find_cycles_table():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert find_cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}) == [["a", "b"], ["c", "d"]]
+
+
+def test_subpackages_have_no_import_cycles():
+    graph = import_graph()
+    cycles = find_cycles(graph)
+    if cycles:
+        lines = []
+        for comp in cycles:
+            lines.append("cycle among " + ", ".join(comp) + ":")
+            for a in comp:
+                for b in sorted(graph[a] & set(comp)):
+                    lines.append(f"    {a} -> {b}: {', '.join(_edge_sources(a, b))}")
+        raise AssertionError("import cycles between lmfleet's subpackages:\n" + "\n".join(lines))
+
+
+@pytest.mark.parametrize("path, builtin", [
+    ("lmfleet.bench.workload.BenchInputError", ValueError),
+    ("lmfleet.check.planner.PlanError", ValueError),
+    ("lmfleet.cluster.join.JoinError", ValueError),
+    ("lmfleet.cluster.launcher.LauncherError", ValueError),
+    ("lmfleet.config.loader.ConfigError", None),
+    ("lmfleet.engine.routing.RouterUnavailable", RuntimeError),
+    ("lmfleet.models.smollm2.ModelSourceError", RuntimeError),
+    ("lmfleet.models.tokenizer.TokenizerLoadError", RuntimeError),
+    ("lmfleet.profile.client.ProfileError", None),
+    ("lmfleet.serve.apps.DeployError", RuntimeError),
+    ("lmfleet.serve.proxy.ProxyError", RuntimeError),
+])
+def test_exceptions_derive_from_lmfleet_error(path, builtin):
+    """One root for lmfleet's exceptions; the builtin base stays where callers catch it."""
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, LmfleetError)
+    if builtin is not None:
+        assert issubclass(cls, builtin)

@@ -1,0 +1,93 @@
+"""The private Ray symbols behind lmfleet.ray_private still exist and look as lmfleet uses them.
+
+A failure names the symbol and the Ray versions: adapt lmfleet.ray_private (and its callers) to the installed Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import ray
+
+from lmfleet import ray_private
+
+
+def _fail(symbol: str, what: str) -> None:
+    pytest.fail(f"Ray {ray.__version__} changed {symbol} (lmfleet.ray_private was written for Ray "
+                f"{ray_private.RAY_VERSION}): {what}", pytrace=False)
+
+
+def _load(module: str, name: str):
+    symbol = f"{module}.{name}"
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        _fail(symbol, f"cannot import it ({type(e).__name__}: {e})")
+
+
+def _params(symbol: str, fn, expected: list[str]) -> None:
+    names = list(inspect.signature(fn).parameters)
+    if names[:len(expected)] != expected:
+        _fail(symbol, f"parameters are {names}, lmfleet passes {expected}")
+
+
+def test_global_node_logs_dir():
+    from ray._private.node import Node
+
+    worker = importlib.import_module("ray._private.worker")
+    if not hasattr(worker, "_global_node"):
+        _fail("ray._private.worker._global_node", "no such attribute")
+    if not callable(getattr(Node, "get_logs_dir_path", None)):
+        _fail("ray._private.node.Node.get_logs_dir_path", "no such method")
+    if not ray.is_initialized():
+        assert ray_private.ray_logs_dir() is None
+
+
+def test_available_resources_per_node():
+    fn = _load("ray._private.state", "available_resources_per_node")
+    _params("ray._private.state.available_resources_per_node", fn, [])
+
+
+@pytest.mark.parametrize("module, name", [
+    ("ray.serve._private.constants", "RAY_SERVE_ENABLE_HA_PROXY"),
+    ("ray.llm._internal.serve.constants", "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"),
+])
+def test_mode_flags_are_booleans(module, name):
+    if not isinstance(_load(module, name), bool):
+        _fail(f"{module}.{name}", "no longer a bool read from the environment")
+
+
+def test_mode_flag_accessors():
+    assert isinstance(ray_private.serve_haproxy_enabled(), bool)
+    assert isinstance(ray_private.llm_direct_streaming_enabled(), bool)
+
+
+def test_broadcast():
+    fn = _load("ray.llm._internal.serve.utils.broadcast", "broadcast")
+    _params("ray.llm._internal.serve.utils.broadcast.broadcast", fn, ["handle", "method_name"])
+
+
+def test_power_of_two_choices_router():
+    symbol = "ray.serve._private.request_router.PowerOfTwoChoicesRequestRouter"
+    cls = ray_private.power_of_two_choices_router()
+    from ray.serve.request_router import RequestRouter
+
+    if not (isinstance(cls, type) and issubclass(cls, RequestRouter)):
+        _fail(symbol, "not a RequestRouter subclass any more")
+    if not inspect.iscoroutinefunction(cls.choose_replicas):
+        _fail(symbol, "choose_replicas is not a coroutine function")
+    _params(symbol, cls.choose_replicas, ["self", "candidate_replicas", "pending_request"])
+
+
+def test_prefix_cache_affinity_router_members():
+    from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+    for member in ray_private.PREFIX_ROUTER_MEMBERS:
+        if not callable(getattr(PrefixCacheAffinityRouter, member, None)):
+            _fail(f"PrefixCacheAffinityRouter.{member}", "no such method")
+    source = inspect.getsource(PrefixCacheAffinityRouter.initialize_state)
+    for attr in ("_tree_actor", "_imbalanced_threshold", "_match_rate_threshold"):
+        if f"self.{attr}" not in source:
+            _fail(f"PrefixCacheAffinityRouter.{attr}", "initialize_state no longer sets it")
