@@ -1,5 +1,5 @@
 """Overflow to providers as they really answer: the gateway in front of the fake OpenAI server speaking each
-provider's dialect (tests/support/fast_openai_server.py, ``--dialect``), a real HTTP server as the provider.
+provider's dialect (:mod:`lmfleet.testing.fast_openai_server`, ``--dialect``), a real HTTP server as the provider.
 
 Per dialect: the answer, its tool calls and its reasoning arrive intact under the client's model name, the
 provider's own name comes in ``x-lmfleet-upstream-model`` and the ledger, usage is read wherever the provider
@@ -14,8 +14,8 @@ import json
 import httpx
 import pytest
 
-from tests.support.fast_openai_server import DIALECTS, REASONING, TOOL_ARGUMENTS, FastServer
-from tests.unit.gateway_fakes import chat_json, make_gateway
+from lmfleet.testing.fast_openai_server import DIALECTS, REASONING, TOOL_ARGUMENTS, FastServer
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
 NAMES = sorted(DIALECTS)
 PROMPT = "What is the weather in Paris today?"

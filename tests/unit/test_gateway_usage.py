@@ -11,7 +11,7 @@ from lmfleet.gateway.relay import sse
 from lmfleet.gateway.relay.rewrite import rewrite, take_usage
 from lmfleet.gateway.relay.upstream import parse_duration, retry_after_from
 from lmfleet.gateway.relay.usage import StreamText, answer_text, answered_model, count_usage, stream_text
-from tests.unit.gateway_fakes import CountingTokenizer
+from lmfleet.testing.gateway_fakes import CountingTokenizer
 
 U = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 

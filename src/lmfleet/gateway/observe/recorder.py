@@ -208,7 +208,8 @@ class Recorder:
             return
         row = UsageRecord(model=model, served_by=o.served_by, route_reason=o.reason, input_tokens=o.input_tokens,
                           output_tokens=o.output_tokens, status=str(o.status), latency_ms=latency_s * 1000,
-                          ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None, tenant=tenant)
+                          ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None, tenant=tenant,
+                          usage_source=o.usage_source, upstream_model=o.upstream_model)
         reservation = getattr(slot, "reservation", None)
         if reservation is not None and self.store is not None:  # settle the hold to the real cost, row included
             store = self.store
