@@ -80,7 +80,7 @@ TOOL = {"id": "c1", "type": "function", "function": {"name": "get_time", "argume
 @pytest.mark.parametrize("obj,text", [
     ({"choices": [{"message": {"role": "assistant", "content": "Paris is nice."}}]}, "Paris is nice."),
     ({"choices": [{"message": {"content": "A", "reasoning_content": "think "}}]}, "Athink "),
-    ({"choices": [{"message": {"content": None, "tool_calls": [TOOL]}}]}, 'get_time{"tz": "UTC"}'),
+    ({"choices": [{"message": {"content": None, "tool_calls": [TOOL]}}]}, 'get_time\n{"tz": "UTC"}'),
     ({"choices": [{"text": "one two"}, {"text": " three"}]}, "one two three"),  # completions, n=2
     ({"choices": []}, ""),
     ({"error": {"message": "x"}}, ""),
@@ -99,7 +99,7 @@ def test_stream_text_gathers_content_reasoning_and_tool_call_pieces():
                                                                       "function": {"name": "f", "arguments": ""}}]}}]}),
               ev({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]}),
               b"data: [DONE]\n\n"]
-    assert stream_text([b"".join(events[:3]), b"".join(events[3:])]) == "hm Hif{}"
+    assert stream_text([b"".join(events[:3]), b"".join(events[3:])]) == "hm Hif\n{}"
 
 
 @pytest.mark.parametrize("kind,body,text,guess,chunks,usage", [

@@ -37,7 +37,10 @@ def _message_text(m: Any) -> list[str]:
     for call in m.get("tool_calls") or ():
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
-            out += [t for k in ("name", "arguments") if isinstance(t := fn.get(k), str)]
+            if isinstance(fn.get("name"), str):
+                out.append(fn["name"] + "\n")  # a token apart from the arguments, as providers count it
+            if isinstance(fn.get("arguments"), str):
+                out.append(fn["arguments"])
     return out
 
 
