@@ -138,7 +138,8 @@ DIALECTS: dict[str, Dialect] = {d.name: d for d in (
                                      "x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "7.66s",
                                      "x-ratelimit-remaining-requests": "14399",
                                      "x-ratelimit-reset-requests": "2m59.56s"}),
-            server_error=ErrorShape(503, {"error": {"message": "Service Unavailable", "type": "internal_server_error"}})),
+            server_error=ErrorShape(503, {"error": {"message": "Service Unavailable",
+                                                    "type": "internal_server_error"}})),
 )}
 
 _DIRECTIVE = re.compile(r"\[fake:(429|5xx|filter)(?:\*(\d+))?(?:#\w+)?\]")

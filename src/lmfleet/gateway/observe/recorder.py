@@ -178,9 +178,9 @@ class Recorder:
             m = self.metrics
             c = (m.requests.labels(model, served_by, str(status)), m.latency.labels(model, served_by),
                  m.ttft.labels(model, served_by), m.tokens.labels(model, served_by, "input", source),
-                 m.tokens.labels(model, served_by, "output", source), m.errors.labels(model, str(status)) if status != 200
-                 else None, m.cost.labels(model, served_by))
-            if len(self._metric_children) < 10_000:  # labels are bounded (models x backends x statuses)
+                 m.tokens.labels(model, served_by, "output", source),
+                 m.errors.labels(model, str(status)) if status != 200 else None, m.cost.labels(model, served_by))
+            if len(self._metric_children) < 10_000:  # labels are bounded (models x backends x statuses x sources)
                 self._metric_children[key] = c
         return c
 
