@@ -35,9 +35,16 @@ def run(script: str, args: list[str], cwd: Path, timeout_s: float) -> subprocess
                           text=True, timeout=timeout_s)
 
 
+# benchmarks whose smoke mode runs in a test module of their own
+OWN_TEST = {"bench_front_door.py": "tests/unit/test_bench_front_door_smoke.py",
+            "bench_overflow_policies.py": "tests/e2e/test_bench_overflow_policies_e2e.py"}
+
+
 def test_every_benchmark_is_covered():
     scripts = {p.name for p in BENCHMARKS.glob("*.py")}
-    assert scripts == {s for s, _ in SMOKE} | set(HELP_ONLY)
+    assert scripts == {s for s, _ in SMOKE} | set(HELP_ONLY) | set(OWN_TEST)
+    for test in OWN_TEST.values():
+        assert (BENCHMARKS.parent / test).is_file(), test
 
 
 def test_benchmarks_are_standalone():

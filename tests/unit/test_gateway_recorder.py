@@ -128,3 +128,31 @@ async def test_a_write_that_cannot_succeed_is_counted_as_dropped():
 
 def test_no_ledger_no_status():
     assert Recorder(GatewayMetrics(), None, {"m"}).status() is None
+
+
+class FreeBackend:
+    def charge(self, input_tokens: int, output_tokens: int) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("served_by, status, ttft_s, predicted_ms, observed", [
+    ("local/m", 200, 1.5, 1000.0, 0.5),            # waited longer than predicted: positive
+    ("local/m", 200, 0.2, 700.0, -0.5),            # shorter: negative
+    ("local/m", 200, 1.0, None, None),             # no estimate (e.g. policy local_first with none made)
+    ("local/m", 200, None, 100.0, None),           # no first token
+    ("local/m", 499, 0.3, 100.0, None),            # cancelled: its wait did not end in an answer
+    ("provider/acme", 200, 0.4, 100.0, None),      # a provider's TTFT says nothing of the local queue
+])
+def test_estimate_error_histogram(served_by, status, ttft_s, predicted_ms, observed):
+    from lmfleet.gateway.observe.recorder import Outcome
+
+    r = Recorder(GatewayMetrics(), None, {"m"})
+    r.record("m", FreeBackend(), Outcome(served_by, "local_ok", 10, 5, ttft_s, status, predicted_ms), 2.0)  # type: ignore[arg-type]
+    reg = r.metrics.registry
+    count = reg.get_sample_value("lmfleet_queue_estimate_error_seconds_count", {"model": "m"})
+    if observed is None:
+        assert not count
+        return
+    # a histogram with negative buckets has no _sum (OpenMetrics): the sign shows in the buckets
+    at_or_below_zero = reg.get_sample_value("lmfleet_queue_estimate_error_seconds_bucket", {"model": "m", "le": "0.0"})
+    assert count == 1 and at_or_below_zero == (1 if observed <= 0 else 0)

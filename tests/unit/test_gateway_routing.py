@@ -260,6 +260,10 @@ async def test_ledger_and_metrics_add_up(tmp_path):
     assert by["local/m"]["requests"] == 3 and by["provider/p"]["requests"] == 2
     assert by["provider/p"]["cost_usd"] == pytest.approx(2 * (7 * 1.0 + 2 * 2.0) / 1e6)
     assert usage["total"]["cost_usd"] == pytest.approx(sum(r["cost_usd"] for r in usage["rows"]))
+    advice = (await c.get("/admin/usage?advise=1", headers={"authorization": "Bearer adm"})).json()
+    (row,) = advice["models"]
+    assert row["model"] == "m" and row["overflow_usd"] == pytest.approx(by["provider/p"]["cost_usd"])
+    assert row["overflow_output_tokens"] == by["provider/p"]["output_tokens"] and row["verdict"] in ("buy", "rent")
     text = (await c.get("/metrics", headers={"authorization": "Bearer adm"})).text
     assert 'lmfleet_requests_total{model="m",served_by="provider/p",status="200"} 2.0' in text
     assert "lmfleet_time_to_first_token_seconds" in text

@@ -79,3 +79,26 @@ def test_replica_hour_from_the_model_config(engine, uses_gpus, expected_usd):
                                     "deployment": {"replicas": 3},
                                     "cost": {"gpu_hour_usd": 2.5, "node_hour_usd": 0.4}})
     assert replica_hour_nusd(m, uses_gpus=uses_gpus) == usd_to_nusd(expected_usd)
+
+
+def test_facts_from_ledger_rows():
+    from lmfleet.overflow.advise import facts_from_rows
+
+    rows = [
+        {"ts": 10.0, "model": "m", "served_by": "provider/acme", "cost_usd": 0.25, "input_tokens": 100,
+         "output_tokens": 50},
+        {"ts": 11.0, "model": "m", "served_by": "local/m", "cost_usd": 0.0, "input_tokens": 7, "output_tokens": None},
+        {"ts": 12.0, "model": None, "served_by": None, "cost_usd": 0.0, "input_tokens": 0, "output_tokens": 0},
+    ]
+    assert facts_from_rows(rows) == [
+        LedgerFacts(10.0, "m", "provider", usd_to_nusd(0.25), 100, 50),
+        LedgerFacts(11.0, "m", "local", 0, 7, 0),
+    ]
+
+
+def test_advice_as_dict_in_dollars():
+    (got,) = advise([_p(0, 3.0, out=2_000_000)], {"m": usd_to_nusd(2.0)})
+    d = got.as_dict()
+    assert d["overflow_usd"] == pytest.approx(3.0) and d["replica_usd"] == pytest.approx(2.0)
+    assert d["overflow_usd_per_1m"] == pytest.approx(1.5) and d["replica_usd_per_1m"] == pytest.approx(1.0)
+    assert d["verdict"] == "buy" and d["hours_over"] == 1

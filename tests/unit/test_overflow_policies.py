@@ -116,6 +116,11 @@ def test_batch_never_hedges_without_its_tenants_permission_whatever_the_wait():
      Step(Action.WAIT, R.LOCAL_FAILED_HEDGE_RUNS)),
     (AttemptState(100.0, local_error=LocalError.SERVER_ERROR, hedge_started_at=101.5, hedge_first_token_at=102.0),
      Step(Action.STREAM, R.HEDGE_WON)),
+    (AttemptState(100.0, hedge_started_at=101.5, hedge_failed=True), Step(Action.WAIT, R.HEDGE_FAILED)),
+    (AttemptState(100.0, local_first_token_at=102.0, hedge_started_at=101.5, hedge_failed=True),
+     Step(Action.CANCEL_HEDGE, R.LOCAL_WON)),  # the failed hedge is gone already: cancelling it is a no-op
+    (AttemptState(100.0, local_error=LocalError.UNREACHABLE, hedge_started_at=101.5, hedge_failed=True),
+     Step(Action.RETURN_ERROR, R.HEDGE_FAILED)),
 ])
 def test_hedge_race(attempt, expected):
     assert _step(HEDGE, attempt, now=102.0) == expected

@@ -166,3 +166,22 @@ def test_usage_ledger_errors(tmp_path, ledger, args, code, message):
     assert res.exit_code == code, res.output
     assert message.format(**fmt) in res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("node_hour_usd, since, verdict, hours_over", [
+    (0.0001, None, "buy", 2),    # a replica at $0.0001/h: cheaper than the $0.0006 hours of overflow
+    (1.0, None, "rent", 0),
+    (0.0001, "1h", "buy", 1),    # the older hour is outside the window
+])
+def test_usage_advise(ledger_path, tmp_path, node_hour_usd, since, verdict, hours_over):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"models:\n  - name: smollm2\n    source: builtin:smollm2\n    engine: {{device: cpu}}\n"
+                     f"    cost: {{node_hour_usd: {node_hour_usd}}}\nledger:\n  path: {ledger_path}\n")
+    args = ["usage", "-c", str(fleet), "--advise"] + (["--since", since] if since else [])
+    res = CliRunner().invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(res.output)["models"]
+    assert row["model"] == "smollm2" and row["verdict"] == verdict and row["hours_over"] == hours_over
+    assert row["replica_hour_usd"] == pytest.approx(node_hour_usd)
+    table = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and f"Rent or buy — smollm2: {verdict}" in table.output

@@ -1,4 +1,5 @@
-"""``lmfleet usage``: requests, tokens and cost per backend or per tenant, from the ledger (SQLite or PostgreSQL)."""
+"""``lmfleet usage``: requests, tokens and cost per backend or per tenant, from the ledger (SQLite or PostgreSQL);
+``--advise``: rent or buy per model (:mod:`lmfleet.overflow.advise`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
-from lmfleet.config.models import LedgerConfig
+from lmfleet.config.models import FleetConfig, LedgerConfig
+from lmfleet.overflow.advise import AdviceRow, advise, facts_from_rows, replica_hour_nusd
 from lmfleet.store import DEFAULT_TENANT, Grouping, SpendStoreError, StoreUnavailable, UsageRow, describe, open_ledger
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -57,13 +59,18 @@ def usage(
     since: Optional[str] = typer.Option(None, "--since", help="Only requests since: 1h, 24h, 7d, or an ISO time. Default: all."),
     by: str = typer.Option("served_by", "--by", help=f"Group by: served_by (local model or provider) or tenant (rows without one: {DEFAULT_TENANT})."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    advise_: bool = typer.Option(False, "--advise", help="Rent or buy: per model, hours in which overflow spend "
+                                 "exceeded one more replica's hourly cost (the fleet file's cost.gpu_hour_usd x its "
+                                 "GPUs, or cost.node_hour_usd), and that replica's cost over the window against the "
+                                 "overflow's."),
 ) -> None:
     """Show requests, tokens and cost per backend (local model or provider) or per tenant, from the ledger.
 
     Exit 1 when the ledger cannot be read (no SQLite file yet, PostgreSQL unreachable); 2 on bad options."""
     if by not in get_args(Grouping):
         fail(f"--by {by!r}: expected one of {', '.join(get_args(Grouping))}", EXIT_USAGE)
-    cfg = load_or_exit(config).ledger if ledger is None else LedgerConfig(path=str(ledger))
+    fleet = load_or_exit(config)
+    cfg = fleet.ledger if ledger is None else LedgerConfig(path=str(ledger))
     where = describe(cfg)
     if cfg.url is None and not Path(where).exists():
         fail(f"no ledger at {where} (nothing served yet, or a different ledger.path)", 1)
@@ -74,12 +81,26 @@ def usage(
         fail(str(e), EXIT_USAGE)
     try:
         with open_ledger(cfg) as led:
-            rows = led.summary(since=start, by=by)  # type: ignore[arg-type]  # checked above
-            total = led.totals(since=start, by=by)  # type: ignore[arg-type]
+            if advise_:
+                raw = led.rows(since=start)
+            else:
+                rows = led.summary(since=start, by=by)  # type: ignore[arg-type]  # checked above
+                total = led.totals(since=start, by=by)  # type: ignore[arg-type]
     except StoreUnavailable as e:
         fail(str(e), 1)
     except SpendStoreError as e:  # ledger.password_env unset, psycopg missing
         fail(f"ledger: {e}", EXIT_USAGE)
+    if advise_:
+        window = (start, now) if start is not None else None
+        advice = advise(facts_from_rows(raw), replica_hours(fleet), window=window)
+        if as_json:
+            typer.echo(json.dumps({"ledger": where, "since": start, "until": now,
+                                   "models": [a.as_dict() for a in advice]}, indent=2))
+            return
+        console = Console()
+        for a in advice:
+            console.print(_advice_table(a))
+        return
     if as_json:
         out = {
             "ledger": where,
@@ -93,3 +114,25 @@ def usage(
         return
     span = "all time" if start is None else f"since {datetime.fromtimestamp(start, timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
     Console().print(_table(rows, total, f"Usage ({span}) — {where}", by))
+
+
+def replica_hours(fleet: FleetConfig) -> dict[str, int]:
+    """Each model's cost of one more replica per hour (nano-dollars), by the device its engine runs on."""
+    from lmfleet.engine.app import engine_device
+
+    return {m.name: replica_hour_nusd(m, uses_gpus=engine_device(m) == "gpu") for m in fleet.models}
+
+
+def _advice_table(a: AdviceRow) -> Table:
+    d = a.as_dict()
+    t = Table(title=f"Rent or buy — {a.model}: {a.verdict}")
+    t.add_column("")
+    t.add_column("overflow (rent)", justify="right")
+    t.add_column("one more replica (buy)", justify="right")
+    per = (lambda x: "-" if x is None else _money(x))  # noqa: E731
+    t.add_row("whole window", f"{_money(d['overflow_usd'])} $", f"{_money(d['replica_usd'])} $ ({a.hours} h)")
+    t.add_row("hours over", f"{_money(d['overflow_over_usd'])} $",
+              f"{_money(d['replica_over_usd'])} $ ({a.hours_over} h of {a.hours})")
+    t.add_row("$/1M tokens the providers served", per(a.overflow_usd_per_1m), per(a.replica_usd_per_1m))
+    t.add_row("replica-hour", "", f"{_money(d['replica_hour_usd'])} $")
+    return t

@@ -29,7 +29,7 @@ Where things are::
       peers.py             gateways that know about each other (shared estimates, queue shares)
 
     relay/                 running a request against its backends
-      run.py               RequestRun: the attempt loop (retries, fallbacks) and the stream relay
+      run.py               RequestRun: the attempt loop (retries, fallbacks, overflow.policy timers) and the relay
       response.py          RelayResponse: a streamed answer as plain ASGI sends
       disconnect.py        DisconnectWatch: a client that leaves cancels its request
       rewrite.py           the relay's slow path over SSE bytes: usage, model name, error events (pure)

@@ -22,13 +22,14 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from lmfleet.config.models import ModelConfig
 from lmfleet.overflow.cost import local_hourly_cost_usd
 from lmfleet.overflow.money import nusd_to_usd, usd_to_nusd
+from lmfleet.provenance import is_external
 
-__all__ = ["HOUR_S", "AdviceRow", "LedgerFacts", "advise", "replica_hour_nusd"]
+__all__ = ["HOUR_S", "AdviceRow", "LedgerFacts", "advise", "facts_from_rows", "replica_hour_nusd"]
 
 HOUR_S = 3600
 
@@ -74,10 +75,30 @@ class AdviceRow:
         """One more replica's window cost per million of those same tokens; None when there were none."""
         return _per_1m(self.replica_nusd, self.overflow_output_tokens)
 
+    def as_dict(self) -> dict[str, Any]:
+        """Dollars, for JSON (``lmfleet usage --advise --json``, ``GET /admin/usage?advise=1``)."""
+        return {"model": self.model, "hours": self.hours, "hours_over": self.hours_over,
+                "replica_hour_usd": nusd_to_usd(self.replica_hour_nusd), "overflow_usd": nusd_to_usd(self.overflow_nusd),
+                "replica_usd": nusd_to_usd(self.replica_nusd), "overflow_over_usd": nusd_to_usd(self.overflow_over_nusd),
+                "replica_over_usd": nusd_to_usd(self.replica_over_nusd),
+                "overflow_output_tokens": self.overflow_output_tokens, "local_output_tokens": self.local_output_tokens,
+                "overflow_usd_per_1m": self.overflow_usd_per_1m, "replica_usd_per_1m": self.replica_usd_per_1m,
+                "verdict": self.verdict}
+
     @property
     def verdict(self) -> Literal["buy", "rent"]:
         """``buy``: the replica over the window costs less than the overflow did; ``rent``: keep overflowing."""
         return "buy" if self.replica_nusd < self.overflow_nusd else "rent"
+
+
+def facts_from_rows(rows: Iterable[Mapping[str, Any]]) -> list[LedgerFacts]:
+    """The advice's fields of raw ledger rows (``Ledger.rows``: ``ts``, ``model``, ``served_by`` as a provenance
+    label, ``cost_usd``, token counts); rows without a model (refused before routing) are left out."""
+    return [LedgerFacts(time_s=float(r["ts"]), model=r["model"],
+                        served_by="provider" if is_external(r["served_by"] or "") else "local",
+                        cost_nusd=usd_to_nusd(r["cost_usd"] or 0.0), input_tokens=int(r["input_tokens"] or 0),
+                        output_tokens=int(r["output_tokens"] or 0))
+            for r in rows if r.get("model")]
 
 
 def _per_1m(nusd: int, tokens: int) -> float | None:

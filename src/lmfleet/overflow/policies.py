@@ -20,6 +20,8 @@ The table (first match wins; "may" = permitted and a provider open)::
       local first token, not after the hedge's                -> CANCEL_HEDGE   local_won
       hedge first token, local attempt alive                  -> CANCEL_LOCAL   hedge_won
       hedge first token, local attempt failed                 -> STREAM         hedge_won
+      hedge failed, local attempt failed too                  -> RETURN_ERROR   hedge_failed
+      hedge failed, local attempt alive                       -> WAIT (event)   hedge_failed
       local failed, hedge still waiting                       -> WAIT (event)   local_failed_hedge_runs
       neither yet                                             -> WAIT (event)   hedge_race
     one local attempt
@@ -110,6 +112,7 @@ class StepReason(str, enum.Enum):
     HEDGE_WON = "hedge_won"
     LOCAL_FAILED_HEDGE_RUNS = "local_failed_hedge_runs"
     HEDGE_RACE = "hedge_race"
+    HEDGE_FAILED = "hedge_failed"
     FIRST_TOKEN = "first_token"
     CLIENT_ERROR = "client_error"
     LOCAL_ERROR = "local_error"
@@ -166,6 +169,8 @@ class AttemptState:
     """The local attempt failed (or the deployment was down before it could be sent)."""
     hedge_started_at: float | None = None
     hedge_first_token_at: float | None = None
+    hedge_failed: bool = False
+    """The provider attempt beside the local one failed before its first token (no second hedge is started)."""
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,10 @@ def next_step(
             if a.local_error is not None:
                 return Step(Action.STREAM, StepReason.HEDGE_WON)
             return Step(Action.CANCEL_LOCAL, StepReason.HEDGE_WON)
+        if a.hedge_failed:
+            if a.local_error is not None:
+                return Step(Action.RETURN_ERROR, StepReason.HEDGE_FAILED)
+            return Step(Action.WAIT, StepReason.HEDGE_FAILED)
         if a.local_error is not None:
             return Step(Action.WAIT, StepReason.LOCAL_FAILED_HEDGE_RUNS)
         return Step(Action.WAIT, StepReason.HEDGE_RACE)

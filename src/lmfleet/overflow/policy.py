@@ -83,6 +83,16 @@ class Reason(str, enum.Enum):
     LOCAL_UNAVAILABLE = "local_unavailable"
     FALLBACK_AFTER_LOCAL_ERROR = "fallback_after_local_error"
     FALLBACK_AFTER_PROVIDER_ERROR = "fallback_after_provider_error"
+    # set by the gateway under overflow.policy (lmfleet.overflow.policies): kept local at admission whatever the
+    # estimate (ttft_timeout, on_error); served by a provider after the local attempt was cancelled at its timer
+    # (ttft_timeout); a hedged request's answer from the provider or the local engine; the ledger row of an
+    # attempt cancelled by either (its prompt and whatever it generated, status 499)
+    LOCAL_FIRST = "local_first"
+    TTFT_TIMEOUT = "ttft_timeout"
+    TTFT_TIMEOUT_CANCELLED = "ttft_timeout_cancelled"
+    HEDGE_WON = "hedge_won"
+    HEDGE_LOCAL_WON = "hedge_local_won"
+    HEDGE_CANCELLED = "hedge_cancelled"
     # tenant admission (lmfleet.tenants.admission): a class's local deadline, a tenant's limits
     WITHIN_DEADLINE = "within_deadline"
     NO_PROVIDER = "no_provider"

@@ -18,6 +18,10 @@ headers. A prompt asks for an error with ``[fake:429]``, ``[fake:5xx]`` or ``[fa
 ``[fake:5xx*2#id]``: only the first 2 requests carrying that directive fail. ``--no-usage`` sends no usage
 anywhere; ``--answer-model NAME`` answers with that model name instead of the one it was sent.
 
+``--latency-model MEDIAN_MS,P99_MS,PER_TOKEN_MS`` (with ``--seed``) replaces the fixed delays with a hosted
+API's shape: each answer's TTFT drawn log-normal with that median and P99, then one token every PER_TOKEN_MS
+(``lmfleet.bench.trace.ProviderLatency``; draws in arrival order from one seeded generator).
+
 In tests: ``with FastServer() as srv: srv.base_url``  (a subprocess on a free port).
 """
 
@@ -203,6 +207,8 @@ class Handler(asyncio.Protocol):
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         ttft_s = (self.opts.ttft_ms + self.opts.ttft_ms_per_prompt_token * prompt_tokens) / 1000
         itl_s = random.uniform(self.opts.itl_ms, max(self.opts.itl_ms, self.opts.itl_ms_max)) / 1000
+        if self.opts.latency is not None:
+            ttft_s, itl_s = self.opts.latency.sample(self.opts.rng, n).ttft_s, self.opts.latency.per_output_token_s
         if not req.get("stream"):
             choice = ({"index": 0, "message": {"role": "assistant", "content": " tok" * n}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": " tok" * n, "finish_reason": "length"})
@@ -396,7 +402,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="answer the way this provider does (default: the lean answers above)")
     p.add_argument("--no-usage", action="store_true", help="with --dialect: send no usage anywhere")
     p.add_argument("--answer-model", default="", help="with --dialect: answer with this model name")
-    return p.parse_args(argv)
+    p.add_argument("--latency-model", default="", metavar="MEDIAN_MS,P99_MS,PER_TOKEN_MS",
+                   help="log-normal TTFT and a per-token pace instead of the delays above (module docstring)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --latency-model's draws")
+    opts = p.parse_args(argv)
+    opts.latency, opts.rng = None, random.Random(opts.seed)
+    if opts.latency_model:
+        from lmfleet.bench.trace import ProviderLatency
+
+        median, p99, per_token = (float(x) / 1000 for x in opts.latency_model.split(","))
+        opts.latency = ProviderLatency(median, p99, per_token)
+    return opts
 
 
 async def serve(opts: argparse.Namespace) -> None:

@@ -1,7 +1,7 @@
 """The admin API: every ``/admin/*`` route (the admin key, checked by the authentication stage for the whole prefix).
 
     GET    /admin/state                  per model: load, estimate, mode, replicas; per provider: breaker
-    POST   /admin/overflow               a model's (or every model's) overflow mode and threshold, now
+    POST   /admin/overflow               a model's (or every model's) overflow mode, threshold and policy, now
     GET    /admin/usage                  requests, tokens and cost per backend or per tenant, from the ledger
     GET    /admin/tenants                every tenant's settings and live usage
     PUT    /admin/tenants/{name}         change a tenant's limits, models or classes (every process, kept)
@@ -34,8 +34,12 @@ from lmfleet.gateway.admin.profile import Profiler
 from lmfleet.gateway.admin.recent_errors import recent_errors
 from lmfleet.gateway.front.access import read_json
 from lmfleet.gateway.front.errors import GatewayError, error_body
+from lmfleet.gateway.routing.router import ServedModel
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import OverflowMode
+from lmfleet.overflow.advise import advise as advise_rows
+from lmfleet.overflow.advise import facts_from_rows, replica_hour_nusd
+from lmfleet.overflow.policies import Policy, PolicyTimers
 from lmfleet.store import Grouping, Ledger, SqliteSpendStore, StoreUnavailable
 from lmfleet.tenants import TenantBook, TenantDirectory
 from lmfleet.tenants.admin import TenantAdmin, TenantSettingsError
@@ -89,19 +93,43 @@ def admin_routes(gw: Gateway, cfg: GatewayConfig, tenant_admin: TenantAdmin | No
         thr = body.get("threshold_ms")
         if thr is not None and (isinstance(thr, bool) or not isinstance(thr, (int, float)) or thr <= 0):
             raise GatewayError(400, f"threshold_ms must be a positive number, got {thr!r}", param="threshold_ms")
+        timers = {m.name: _policy_timers(m, body) for m in targets}
         for m in targets:
             if mode is not None:
                 m.mode = OverflowMode(mode)
             if thr is not None:
                 m.threshold_ms = float(thr)
-        log.info("admin: overflow for %s set to mode=%s threshold_ms=%s", [m.name for m in targets], mode, thr)
-        return {"models": {m.name: {"mode": m.mode.value, "threshold_ms": m.threshold_ms} for m in targets}}
+            m.timers = timers[m.name]
+        log.info("admin: overflow for %s set to mode=%s threshold_ms=%s policy=%s", [m.name for m in targets], mode,
+                 thr, body.get("policy"))
+        return {"models": {m.name: {"mode": m.mode.value, "threshold_ms": m.threshold_ms,
+                                    "policy": m.timers.policy.value, "ttft_timeout_ms": m.timers.ttft_timeout_ms,
+                                    "hedge_after_ms": m.timers.hedge_after_ms} for m in targets}}
+
+    def _policy_timers(m: ServedModel, body: dict[str, Any]) -> PolicyTimers:
+        """``overflow.policy`` and its timers from the body (keys left out: as they are now); 400 when invalid."""
+        if not {"policy", "ttft_timeout_ms", "hedge_after_ms"} & body.keys():
+            return m.timers
+        t = m.timers
+        policy = body.get("policy", t.policy.value)
+        if policy not in {p.value for p in Policy}:
+            raise GatewayError(400, f"policy must be one of {[p.value for p in Policy]}, got {policy!r}",
+                               param="policy")
+        if policy != Policy.PREDICTIVE.value and not m.providers:
+            raise GatewayError(400, f"policy {policy} needs a provider, and no provider maps {m.name!r}",
+                               param="policy")
+        try:
+            return PolicyTimers(Policy(policy), body.get("ttft_timeout_ms", t.ttft_timeout_ms),
+                                body.get("hedge_after_ms", t.hedge_after_ms))
+        except (ValueError, TypeError) as e:
+            raise GatewayError(400, str(e), param="policy") from None
 
     @r.get("/admin/usage")
     async def admin_usage(since: float | None = None, until: float | None = None,
-                          by: str = "served_by") -> dict[str, Any]:
+                          by: str = "served_by", advise: bool = False) -> dict[str, Any]:
         """Requests, tokens and cost per ``served_by`` or per ``tenant`` (rows without one: ``default``), read from
-        the ledger (the fleet's shared PostgreSQL when ``ledger.url`` is set); 503 while that cannot be reached."""
+        the ledger (the fleet's shared PostgreSQL when ``ledger.url`` is set); 503 while that cannot be reached.
+        ``advise=1``: rent or buy per model instead (``lmfleet usage --advise``)."""
         ledger = gw.recorder.ledger
         if ledger is None:
             raise GatewayError(404, "No ledger is configured.")
@@ -113,10 +141,18 @@ def admin_routes(gw: Gateway, cfg: GatewayConfig, tenant_admin: TenantAdmin | No
             log.warning("admin/usage: %d ledger rows still waiting to be written; reading without them",
                         gw.recorder.pending)
         try:
-            rows = await asyncio.to_thread(ledger.summary, since, until, by)
-            total = await asyncio.to_thread(ledger.totals, since, until, by)
+            if advise:
+                raw = await asyncio.to_thread(ledger.rows, since, until)
+            else:
+                rows = await asyncio.to_thread(ledger.summary, since, until, by)
+                total = await asyncio.to_thread(ledger.totals, since, until, by)
         except StoreUnavailable as e:
             raise GatewayError(503, f"The ledger cannot be read now: {e}") from None
+        if advise:
+            hourly = {n: replica_hour_nusd(m.app.cfg, uses_gpus=m.app.device == "gpu") for n, m in gw.models.items()}
+            window = (since, until if until is not None else time.time()) if since is not None else None
+            advice = advise_rows(facts_from_rows(raw), hourly, window=window)
+            return {"since": since, "until": until, "models": [a.as_dict() for a in advice]}
         return {"since": since, "until": until, "by": by, "rows": [row.as_dict() for row in rows],
                 "total": total.as_dict()}
 

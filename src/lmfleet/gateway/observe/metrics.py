@@ -10,6 +10,7 @@ from lmfleet.overflow.engine_stats import ReplicaTable, imbalance
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
+_ESTIMATE_ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _PREPARE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
@@ -24,6 +25,10 @@ class GatewayMetrics:
                                  ["model", "served_by"], buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("lmfleet_time_to_first_token_seconds", "Time to first token of streamed requests.",
                               ["model", "served_by"], buckets=_TTFT_BUCKETS, registry=r)
+        self.estimate_error = Histogram(
+            "lmfleet_queue_estimate_error_seconds", "Signed error of the predicted local wait of requests kept "
+            "local: the realised time to first token minus the estimate the router used (positive: the request "
+            "waited longer than predicted).", ["model"], buckets=_ESTIMATE_ERROR_BUCKETS, registry=r)
         self.in_flight = Gauge("lmfleet_in_flight_requests", "Requests in flight at the gateway.",
                                ["model", "served_by"], registry=r)
         self.tokens = Counter("lmfleet_tokens", "Tokens processed, by model, who served them, kind, and where the "
@@ -35,6 +40,14 @@ class GatewayMetrics:
                                     ["model"], registry=r)
         self.overflowed = Counter("lmfleet_routed", "Routing decisions by model, target and reason.",
                                   ["model", "target", "reason"], registry=r)
+        self.hedges = Counter("lmfleet_hedges", "Hedged requests (overflow.policy hedge), by model and outcome: "
+                              "started (a provider attempt beside the local one), won (the provider's first token "
+                              "came first), lost (the local one's did), failed (the provider attempt failed).",
+                              ["model", "outcome"], registry=r)
+        self.ttft_failovers = Counter("lmfleet_ttft_timeout_failovers", "Local requests cancelled at "
+                                      "overflow.ttft_timeout_ms without a first token, by model and outcome: "
+                                      "started (sent to a provider), served (the provider answered), failed (it "
+                                      "did not).", ["model", "outcome"], registry=r)
         self.model_ready = Gauge("lmfleet_model_ready", "1 when the model's local deployment is serving.",
                                  ["model"], registry=r)
         self.upstream_failures = Counter(

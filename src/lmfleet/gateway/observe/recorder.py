@@ -20,6 +20,7 @@ from typing import Any
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.routing.backends import Backend
 from lmfleet.overflow.money import usd_to_nusd
+from lmfleet.provenance import is_external
 from lmfleet.store import Ledger, SpendStore, StoreUnavailable, UsageRecord
 
 log = logging.getLogger("lmfleet.gateway")
@@ -40,6 +41,9 @@ class Outcome:
     with the model's tokenizer, for an answer without usage)."""
     upstream_model: str | None = None
     """The model name the backend answered with (None: it named none)."""
+    predicted_wait_ms: float | None = None
+    """The local wait the router predicted when it kept the request local (None: sent to a provider at admission,
+    or no estimate): with ``ttft_s``, the estimate's error (``lmfleet_queue_estimate_error_seconds``)."""
 
 
 TRANSIENT_WRITE_ERRORS: tuple[type[BaseException], ...] = (sqlite3.OperationalError, OSError, StoreUnavailable)
@@ -198,6 +202,8 @@ class Recorder:
         latency.observe(latency_s)
         if o.ttft_s is not None:
             ttft.observe(o.ttft_s)
+            if o.predicted_wait_ms is not None and o.status == 200 and not is_external(o.served_by):
+                self.metrics.estimate_error.labels(model).observe(o.ttft_s - o.predicted_wait_ms / 1000)
         tokens_in.inc(o.input_tokens)
         tokens_out.inc(o.output_tokens)
         if errors is not None:

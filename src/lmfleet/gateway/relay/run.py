@@ -5,7 +5,11 @@
 
 A failure before anything reached the client moves on to the next attempt (the same backend again per
 its retry schedule, then the next backend); after the first streamed byte it ends the stream with an
-explicit error event. The run talks to backends and the recorder only; nothing calls back into the router.
+explicit error event. Under ``overflow.policy`` ttft_timeout or hedge, a streamed request's local attempt races
+the policy's timer (:meth:`RequestRun._race`, decisions by :func:`lmfleet.overflow.policies.next_step`): at the
+timer the local attempt is cancelled and the request goes on to the providers (ttft_timeout), or a provider
+attempt starts beside it and the first first token wins (hedge). The run talks to backends and the recorder
+only; nothing calls back into the router.
 The answer goes out through :mod:`~lmfleet.gateway.relay.response`, the outcome to
 :mod:`~lmfleet.gateway.observe.recorder`; the tenant's local queue slot is
 :class:`~lmfleet.gateway.front.tenancy.LocalSlot`.
@@ -14,6 +18,7 @@ The answer goes out through :mod:`~lmfleet.gateway.relay.response`, the outcome 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -26,7 +31,14 @@ from typing import Any, TypeVar
 from starlette.responses import Response
 
 from lmfleet.gateway.front.tenancy import LocalSlot, release
-from lmfleet.gateway.front.errors import GatewayError, UpstreamError, UpstreamMisconfigured, UpstreamRateLimited
+from lmfleet.gateway.front.errors import (
+    GatewayError,
+    UpstreamError,
+    UpstreamMisconfigured,
+    UpstreamRateLimited,
+    UpstreamRejected,
+    UpstreamServerError,
+)
 from lmfleet.gateway.front.validation import ParsedRequest
 from lmfleet.gateway.observe.recorder import Outcome, Recorder
 from lmfleet.gateway.observe.tracing import RequestTracer
@@ -36,10 +48,20 @@ from lmfleet.gateway.relay.rewrite import rewrite, take_usage
 from lmfleet.gateway.relay.upstream import STREAM_ERRORS, Endpoint, OpenStream, complete, open_stream
 from lmfleet.gateway.relay.usage import ESTIMATED, PROVIDER, StreamText, answer_text, answered_model, count_usage, \
     estimate
-from lmfleet.gateway.routing.backends import Ask, Backend
+from lmfleet.gateway.routing.backends import Ask, Backend, ProviderBackend
 from lmfleet.gateway.routing.router import Plan
 from lmfleet.gateway.routing.served import PromptSize, ServedModel
 from lmfleet.overflow import Reason
+from lmfleet.overflow.policies import (
+    PROVIDER_RECHECK_S,
+    Action,
+    AttemptState,
+    LocalError,
+    Policy,
+    Step,
+    StepReason,
+    next_step,
+)
 from lmfleet.tenants.queue import QueueFull
 
 log = logging.getLogger("lmfleet.gateway")
@@ -47,6 +69,7 @@ log = logging.getLogger("lmfleet.gateway")
 SERVED_BY = "x-lmfleet-served-by"
 ROUTE_REASON = "x-lmfleet-route-reason"
 QUEUE_ESTIMATE = "x-lmfleet-queue-estimate-ms"
+HEDGED = "x-lmfleet-hedged"
 UPSTREAM_MODEL = "x-lmfleet-upstream-model"
 """The model name the backend answered with (the client's own name is in the body)."""
 
@@ -70,6 +93,10 @@ class RequestRun:
     outcome: Outcome | None = None
     """How it ended, once recorded (served by, tokens, status)."""
     _relay_span: Any = None
+    hedged = False
+    """A provider attempt ran beside the local one (overflow.policy hedge): the answer says so (x-lmfleet-hedged)."""
+    _settled = False
+    """The race (:meth:`_race`) has already failed or dropped the current local attempt (its slot is freed)."""
 
     def __init__(self, model: ServedModel, req: ParsedRequest, path: str, plan: Plan, prompt: PromptSize,
                  t0: float, recorder: Recorder):
@@ -109,7 +136,7 @@ class RequestRun:
         return Response(raw, media_type="application/json", headers=self._headers(b, answered))
 
     async def stream(self) -> Response:
-        b, slot, st = await self._first_success(lambda ep: open_stream(ep, self.path, self.req.body))
+        b, slot, st = await self._first_success(lambda ep: open_stream(ep, self.path, self.req.body), race=True)
         ttft = time.monotonic() - self.t0
         b.first_token(slot)
         if self.span is not None:
@@ -128,15 +155,19 @@ class RequestRun:
             for k in range(n):
                 yield b, k, later, not later and k == n - 1
 
-    async def _first_success(self, call: Callable[[Endpoint], Awaitable[T]]) -> tuple[Backend, Any, T]:
+    async def _first_success(self, call: Callable[[Endpoint], Awaitable[T]],
+                             race: bool = False) -> tuple[Backend, Any, T]:
         """Try attempts in order until ``call`` succeeds; returns (backend, its slot, the result).
 
-        Only failures before anything reached the client come here, so every one may move on.
+        Only failures before anything reached the client come here, so every one may move on. ``race``: ``call``
+        returns at the first token (a stream), so a local attempt may race the policy's timer (:meth:`_race`).
         """
         attempt = 0
+        policy = self.m.timers.policy
+        skip_local = False
         for b, k, later, final in self._tries():
-            if self._queue_expired() and b is self.m.local:
-                continue  # its class's deadline in the local queue has passed: only a later backend may serve
+            if b is self.m.local and (skip_local or self._queue_expired()):
+                continue  # its class's deadline in the local queue has passed, or the policy moved on to a provider
             if k > 0:
                 await asyncio.sleep(min(b.backoff_s(k, self.last_error), self._remaining()))
             if self._remaining() <= 0:
@@ -152,9 +183,19 @@ class RequestRun:
                     b.cancel(slot)
                     continue
                 ep = b.endpoint(self.req.model, has_fallback=later).within(self._remaining())
-                if self.span is None:
-                    return b, slot, await call(ep)
-                return b, slot, await self._traced(call, ep, b, attempt)
+                if race and b is self.m.local and policy in (Policy.TTFT_TIMEOUT, Policy.HEDGE) and self._hedgers():
+                    self._settled = False
+                    won = await self._race(b, slot, ep, call, k + 1, final)
+                    if isinstance(won, tuple):
+                        return won
+                    if won is _STOP:
+                        break
+                    skip_local = won is _TO_PROVIDERS
+                    continue
+                result = await call(ep) if self.span is None else await self._traced(call, ep, b, attempt)
+                if self.reason is Reason.TTFT_TIMEOUT:
+                    self.recorder.metrics.ttft_failovers.labels(self.m.name, "served").inc()
+                return b, slot, result
             except UpstreamError as e:
                 b.fail(slot, e)
                 if self.local_slot is not None:
@@ -162,18 +203,192 @@ class RequestRun:
                 self._failed(b, e, k + 1, more=not final)
                 if not e.retryable:
                     break
+                if b is self.m.local and policy is not Policy.PREDICTIVE and later:
+                    # next_step: a local error goes straight to a provider under these policies (no local retry)
+                    skip_local = self._after_local_error(e) is Action.SEND_PROVIDER
             except QueueFull as e:
                 b.cancel(slot)
                 raise GatewayError(429, f"The local queue for {self.m.name!r} is full ({e}).", code="queue_full",
                                    headers={**self.plan.headers, "retry-after": "1"}) from None
             except BaseException:  # the client went away (cancellation): free the slot, the upstream call is closed
+                if self._settled:  # a race already failed or dropped this attempt
+                    raise
                 b.cancel(slot)
                 self._record(b, slot, Outcome(b.label, self.reason.value, self.prompt_tokens, 0, None, CANCELLED,
                                               usage_source=ESTIMATED))
                 raise
+        if self.reason is Reason.TTFT_TIMEOUT:
+            self.recorder.metrics.ttft_failovers.labels(self.m.name, "failed").inc()
         if self._queue_expired() and self._remaining() > 0:
             raise self._deadline_passed()
         raise self._give_up()
+
+    # ---- overflow.policy: the local attempt against its timer -------------------------------------------------
+    def _hedgers(self) -> list[ProviderBackend]:
+        """The plan's providers (after the local backend): where a hedge or a failover may go."""
+        return [b for b in self.plan.backends if isinstance(b, ProviderBackend)]
+
+    def _step(self, state: AttemptState, provider_open: bool) -> Step:
+        return next_step(self.m.timers, now=time.monotonic(), estimate_ms=self.plan.estimate_ms,
+                         threshold_ms=self.m.threshold_ms, permissions=self.plan.permissions,
+                         provider_open=provider_open, attempt=state)
+
+    def _after_local_error(self, e: UpstreamError) -> Action:
+        """What the policy does after the local attempt failed with ``e`` (no hedge running)."""
+        return self._step(AttemptState(local_dispatched_at=self.t0, local_error=_local_error(e)),
+                          any(p.healthy() for p in self._hedgers())).action
+
+    async def _race(self, b: Backend, slot: Any, ep: Endpoint, call: Callable[[Endpoint], Awaitable[T]],
+                    attempt_no: int, final: bool) -> tuple[Backend, Any, T] | object:
+        """One local attempt under ttft_timeout or hedge: run it against the policy's timer, asking
+        :func:`~lmfleet.overflow.policies.next_step` at each event (a first token, an error, the timer).
+
+        Returns the winner (backend, slot, open stream), or what the attempt loop does next: :data:`_TO_PROVIDERS`
+        (the local attempt is over: only the later backends, no local retry), :data:`_RETRY` (the local attempt
+        failed: go on as after any failure) or :data:`_STOP` (give up with the last error). Every attempt it
+        drops is cancelled upstream (closing its connection makes Serve abort it in vLLM, a provider stop
+        generating) and recorded in the ledger with status 499: its prompt and what it generated are paid for.
+        """
+        m = self.m
+        metrics = self.recorder.metrics
+        state = AttemptState(local_dispatched_at=self.t0)  # the timer counts from the request's arrival
+        local: asyncio.Task = asyncio.create_task(call(ep))
+        hedge: asyncio.Task | None = None
+        hb: ProviderBackend | None = None
+        hslot: Any = None
+        local_exc: UpstreamError | None = None
+        closed_until = 0.0  # no provider took the hedge or the failover: ask again after this
+        try:
+            while True:
+                step = self._step(state, time.monotonic() >= closed_until
+                                  and any(p.healthy() for p in self._hedgers()))
+                act = step.action
+                if act is Action.WAIT:
+                    running = [t for t in (local, hedge) if t is not None and not t.done()]
+                    timeout = None if step.wake_at is None else max(0.0, step.wake_at - time.monotonic())
+                    if running:
+                        await asyncio.wait(running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    else:  # not reached: the table waits on an event only while an attempt runs
+                        await asyncio.sleep(timeout if timeout is not None else PROVIDER_RECHECK_S)
+                    now = time.monotonic()
+                    if local.done() and state.local_first_token_at is None and state.local_error is None:
+                        exc = local.exception()
+                        if exc is None:
+                            state = dataclasses.replace(state, local_first_token_at=now)
+                        elif isinstance(exc, UpstreamError):
+                            local_exc = exc
+                            state = dataclasses.replace(state, local_error=_local_error(exc))
+                            self._local_failed(b, slot, exc, attempt_no, more=not final or hedge is not None)
+                        else:
+                            raise exc
+                    if (hedge is not None and hedge.done() and state.hedge_first_token_at is None
+                            and not state.hedge_failed):
+                        exc = hedge.exception()
+                        if exc is None:
+                            state = dataclasses.replace(state, hedge_first_token_at=now)
+                        elif isinstance(exc, UpstreamError):
+                            state = dataclasses.replace(state, hedge_failed=True)
+                            assert hb is not None
+                            hb.fail(hslot, exc)
+                            self._failed(hb, exc, 1, more=state.local_error is None)
+                            metrics.hedges.labels(m.name, "failed").inc()
+                        else:
+                            raise exc
+                    continue
+                if act is Action.STREAM:  # one attempt has its first token, the other is gone
+                    if state.local_first_token_at is not None:
+                        return b, slot, local.result()
+                    assert hedge is not None and hb is not None
+                    self.reason = Reason.HEDGE_WON
+                    metrics.hedges.labels(m.name, "won").inc()
+                    return hb, hslot, hedge.result()
+                if act is Action.CANCEL_HEDGE:
+                    self.reason = Reason.HEDGE_LOCAL_WON
+                    if not state.hedge_failed:
+                        assert hedge is not None and hb is not None
+                        await self._drop(hedge, hb, hslot, Reason.HEDGE_CANCELLED)
+                        metrics.hedges.labels(m.name, "lost").inc()
+                    hedge = None
+                    return b, slot, local.result()
+                if act is Action.CANCEL_LOCAL:
+                    assert hedge is not None and hb is not None
+                    await self._drop(local, b, slot, Reason.HEDGE_CANCELLED)
+                    self.reason = Reason.HEDGE_WON
+                    metrics.hedges.labels(m.name, "won").inc()
+                    return hb, hslot, hedge.result()
+                if act in (Action.START_HEDGE, Action.FAIL_OVER):
+                    if act is Action.FAIL_OVER:
+                        await self._drop(local, b, slot, Reason.TTFT_TIMEOUT_CANCELLED)
+                        self.reason = Reason.TTFT_TIMEOUT
+                        metrics.ttft_failovers.labels(m.name, "started").inc()
+                        return _TO_PROVIDERS
+                    hedge, hb, hslot = await self._start_hedge(call)
+                    if hedge is None:
+                        closed_until = time.monotonic() + PROVIDER_RECHECK_S
+                        continue
+                    self.hedged = True
+                    metrics.hedges.labels(m.name, "started").inc()
+                    state = dataclasses.replace(state, hedge_started_at=time.monotonic())
+                    continue
+                # the local attempt failed (its bookkeeping is done), no hedge is left to answer
+                if act is Action.SEND_PROVIDER:
+                    return _TO_PROVIDERS
+                if step.reason is StepReason.HEDGE_FAILED or (local_exc is not None and not local_exc.retryable):
+                    return _STOP
+                return _RETRY
+        except BaseException:
+            # the client went away (or a bug): the hedge is dropped here, the local attempt by the caller
+            if hedge is not None and hb is not None and not state.hedge_failed:
+                await self._drop(hedge, hb, hslot, Reason.HEDGE_CANCELLED)
+            if not local.done():
+                local.cancel()
+            elif not local.cancelled() and local.exception() is None:
+                await local.result().aclose()
+            raise
+
+    async def _start_hedge(self, call: Callable[[Endpoint], Awaitable[T]]
+                           ) -> tuple[asyncio.Task | None, ProviderBackend | None, Any]:
+        """Send the request to the first provider that takes it (breaker, in-flight cap, budget and the tenant's
+        caps, as any provider attempt); (None, None, None) when none does now."""
+        for p in self._hedgers():
+            slot = await p.acquire(Ask(f"{self.request_id}-h", self.prompt_tokens, self.prompt_upper,
+                                       self.req.max_tokens, self.m.app.max_model_len, self.plan.spend_caps))
+            if slot is not None:
+                ep = p.endpoint(self.req.model, has_fallback=False).within(self._remaining())
+                return asyncio.create_task(call(ep)), p, slot
+        return None, None, None
+
+    async def _drop(self, task: asyncio.Task, b: Backend, slot: Any, reason: Reason) -> None:
+        """Cancel one attempt of the race (closing its connection cancels it upstream) and record it: the prompt
+        (prefilled, or at least sent) and whatever it generated before it was dropped, status 499."""
+        generated = 0
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        if task.done() and not task.cancelled() and task.exception() is None:
+            st = task.result()
+            generated = sse.count_choices(b"".join(st.head))
+            await st.aclose()
+        elif task.done() and not task.cancelled() and isinstance(task.exception(), UpstreamError):
+            b.fail(slot, task.exception())  # it failed just before it was dropped: a failure, nothing to record
+            self._leave(b)
+            return
+        b.cancel(slot)
+        self._leave(b)
+        self._record(b, slot, Outcome(b.label, reason.value, self.prompt_tokens, generated, None, CANCELLED,
+                                      usage_source=ESTIMATED))
+
+    def _leave(self, b: Backend) -> None:
+        if b is self.m.local:
+            self._settled = True
+            if self.local_slot is not None:
+                self.local_slot.leave()
+
+    def _local_failed(self, b: Backend, slot: Any, e: UpstreamError, attempt_no: int, more: bool) -> None:
+        b.fail(slot, e)
+        self._leave(b)
+        self._failed(b, e, attempt_no, more=more)
 
     async def _traced(self, call: Callable[[Endpoint], Awaitable[T]], ep: Endpoint, b: Backend, attempt: int) -> T:
         """One attempt in its own span, whose context goes upstream in a ``traceparent`` header."""
@@ -312,9 +527,13 @@ class RequestRun:
              **self.plan.headers}
         if answered is not None and answered.isascii() and answered.isprintable():  # what a header may carry
             h[UPSTREAM_MODEL] = answered
+        if self.hedged:
+            h[HEDGED] = "1"
         return h
 
     def _record(self, b: Backend, slot: Any, o: Outcome) -> None:
+        if b is self.m.local and o.predicted_wait_ms is None:  # the estimate's error is measured on local answers
+            o = dataclasses.replace(o, predicted_wait_ms=self.plan.estimate_ms)
         self.outcome = o
         if self._relay_span is not None:
             self.tracer.end_relay(self._relay_span, o.status, o.output_tokens)  # type: ignore[union-attr]
@@ -329,3 +548,18 @@ class RequestRun:
         """The request has ended (answered, failed or abandoned): free its tenant's slot in flight and its place
         in the local queue. Idempotent."""
         release(self.ticket, self.local_slot)
+
+
+_TO_PROVIDERS, _RETRY, _STOP = object(), object(), object()
+"""What the attempt loop does after a race without a winner (:meth:`RequestRun._race`)."""
+
+
+def _local_error(e: UpstreamError) -> LocalError:
+    """How a local attempt failed, as :func:`~lmfleet.overflow.policies.next_step` reads it."""
+    if isinstance(e, UpstreamRateLimited):
+        return LocalError.RATE_LIMITED
+    if isinstance(e, (UpstreamRejected, UpstreamMisconfigured)):
+        return LocalError.CLIENT_ERROR
+    if isinstance(e, UpstreamServerError):
+        return LocalError.UNAVAILABLE if e.status == 503 else LocalError.SERVER_ERROR
+    return LocalError.UNREACHABLE  # unreachable, reset, or timed out

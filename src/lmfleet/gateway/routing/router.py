@@ -40,6 +40,8 @@ from lmfleet.overflow import (
     estimate_wait_ms,
 )
 from lmfleet.overflow.budget import DAY_S
+from lmfleet.overflow.policy import LOCAL
+from lmfleet.overflow.policies import Action, AttemptState, Permissions, Policy, PolicyTimers, next_step
 from lmfleet.store import Cap, Ledger, StoreUnavailable, caps_for_budget, tenant_key
 from lmfleet.tenants import PRIORITY_HEADER, Outcome, Tenant, TenantBook, Ticket
 
@@ -88,6 +90,8 @@ class Plan:
     """The request's class: its place in the model's local queue and, with ``max_wait_s``, its deadline there."""
     spend_caps: tuple[Cap, ...] = ()
     """The tenant's own spend caps: a paid attempt reserves against them beside the fleet's (none: no tenant caps)."""
+    permissions: Permissions = Permissions()
+    """Whether a provider may take it later (a hedge, a failover): a batch class only when its tenant allows it."""
 
 
 class Router:
@@ -205,6 +209,9 @@ class Router:
             m.hysteresis = d.state
         reason: Reason = (Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider
                                             else d.reason)
+        if (d.reason is Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD and m.timers.policy is not Policy.PREDICTIVE
+                and (cls is None or cls.max_wait_s is None)):  # a batch class's deadline is the tenant's rule
+            d, reason = self._policy_admission(m, d, estimate, cls, tenant)
         if tenant is not None and cls is not None and self.tenants is not None:
             plan = await self._admit(m, tenant, cls, prompt_tokens, d, reason, estimate, budget, store_down,
                                      local_down)
@@ -212,6 +219,17 @@ class Router:
             return dataclasses.replace(plan, spend_caps=caps) if caps else plan
         self._child(self.metrics.overflowed, m.name, d.target, reason.value).inc()
         return self._plan(m, d, reason, estimate, budget, store_down)
+
+    @staticmethod
+    def _policy_admission(m: ServedModel, d: RouteDecision, estimate: float, cls: PriorityClass | None,
+                          tenant: Tenant | None) -> tuple[RouteDecision, Reason]:
+        """``decide()`` would spill ``d`` on the estimate; ``overflow.policy`` has the last word
+        (:func:`lmfleet.overflow.policies.next_step` at admission): ttft_timeout and on_error keep it local."""
+        step = next_step(m.timers, now=time.monotonic(), estimate_ms=estimate, threshold_ms=m.threshold_ms,
+                         permissions=_permissions(cls, tenant), provider_open=True, attempt=AttemptState())
+        if step.action is Action.SEND_LOCAL:
+            return dataclasses.replace(d, target=LOCAL, reason=Reason.LOCAL_FIRST), Reason.LOCAL_FIRST
+        return d, d.reason
 
     async def _admit(self, m: ServedModel, tenant: Tenant, cls: PriorityClass, prompt_tokens: int, d: RouteDecision,
                      reason: Reason, estimate: float, budget: BudgetStatus | None, store_down: bool,
@@ -243,7 +261,8 @@ class Router:
                 why = Reason.WITHIN_DEADLINE if d.is_provider or d.is_reject else reason
                 self._child(self.metrics.overflowed, m.name, "local", why.value).inc()
                 fallbacks = self._fallbacks(m, None, budget, store_down) if tenant.batch_may_use_providers else []
-                return Plan([m.local, *fallbacks], why, estimate, ticket, headers, cls)
+                return Plan([m.local, *fallbacks], why, estimate, ticket, headers, cls,
+                            permissions=_permissions(cls, tenant))
         self._child(self.metrics.overflowed, m.name, d.target, reason.value).inc()
         return self._plan(m, d, reason, estimate, budget, store_down, tenant, headers, cls, ticket)
 
@@ -271,7 +290,15 @@ class Router:
         fallbacks = self._fallbacks(m, d.target, budget, store_down)
         if ticket is None and tenant is not None and self.tenants is not None:
             ticket = self.tenants.take(tenant)
+        perms = _permissions(cls, tenant)
         if d.is_provider:
             chosen = next(p for p in m.providers if p.name == d.target)
-            return Plan([chosen, *fallbacks, m.local], reason, estimate, ticket, headers, cls)
-        return Plan([m.local, *fallbacks], reason, estimate, ticket, headers, cls)
+            return Plan([chosen, *fallbacks, m.local], reason, estimate, ticket, headers, cls, permissions=perms)
+        return Plan([m.local, *fallbacks], reason, estimate, ticket, headers, cls, permissions=perms)
+
+
+def _permissions(cls: PriorityClass | None, tenant: Tenant | None) -> Permissions:
+    """What the request's class and tenant allow: a class with a local deadline (batch) pays for a provider only
+    when its tenant allows it."""
+    return Permissions(batch=cls is not None and cls.max_wait_s is not None,
+                       batch_may_use_providers=tenant is not None and tenant.batch_may_use_providers)

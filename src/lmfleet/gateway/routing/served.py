@@ -12,6 +12,7 @@ from lmfleet.gateway.front.validation import ParsedRequest, check_context
 from lmfleet.gateway.routing.backends import LocalBackend, ProviderBackend
 from lmfleet.gateway.routing.tokens import count_prompt_tokens, template_overhead, token_bounds
 from lmfleet.overflow import HysteresisState, OverflowMode
+from lmfleet.overflow.policies import PolicyTimers
 from lmfleet.tenants.queue import DispatchQueue
 
 
@@ -30,6 +31,8 @@ class ServedModel:
     last_estimate_ms: float = 0.0
     queue: DispatchQueue | None = None
     """The priority queue in front of its local slots (None: no tenants configured; Serve's FIFO queue only)."""
+    timers: PolicyTimers = field(default_factory=PolicyTimers)
+    """``overflow.policy`` and its timers (the operator may change them at run time: POST /admin/overflow)."""
     _peers_overflowing: tuple[float, bool] = field(default=(0.0, False), repr=False)
 
     PEERS_OVERFLOWING_TTL_S = 2.0

@@ -1,0 +1,97 @@
+"""benchmarks/bench_overflow_policies.py: its figures from replayed requests, as tables (no fleet)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_overflow_policies",
+                                                  ROOT / "benchmarks" / "bench_overflow_policies.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def outcome(bench, i, ttft, *, served="local/smollm2", reason="local_ok", hedged=False, est=None, status=200,
+            prompt=100, output=10, sent=0.0, e2e=None):
+    return bench.Outcome(i, prompt, output, sent, ttft, e2e if e2e is not None else (ttft or 0) + 1, status,
+                         served, reason, hedged, est)
+
+
+@pytest.mark.parametrize("reason,hedged,both,after_cancel", [
+    ("local_ok", False, False, False),
+    ("queue_estimate_above_threshold", False, False, False),
+    ("ttft_timeout", False, True, True),
+    ("hedge_won", True, True, True),
+    ("hedge_local_won", True, True, False),
+])
+def test_paths(bench, reason, hedged, both, after_cancel):
+    o = outcome(bench, 0, 1.0, reason=reason, hedged=hedged)
+    assert (o.both_sent, o.after_cancel) == (both, after_cancel)
+
+
+def test_summarize(bench):
+    outs = [
+        outcome(bench, 0, 0.5),
+        outcome(bench, 1, 3.0),  # kept local, missed the 2.5 s SLO
+        outcome(bench, 2, 0.4, served="provider/backup", reason="queue_estimate_above_threshold"),
+        outcome(bench, 3, 2.9, served="provider/backup", reason="ttft_timeout", prompt=300),
+        outcome(bench, 4, 1.8, served="provider/backup", reason="hedge_won", hedged=True, prompt=200),
+        outcome(bench, 5, None, status=503),
+    ]
+    r = bench.summarize(outs, slo_s=2.5, spend_usd=0.002)
+    assert r["requests"] == 6 and r["errors"] == 1
+    assert r["slo_attainment"] == pytest.approx(3 / 6)  # an error misses the SLO
+    assert r["external_share"] == pytest.approx(3 / 5)
+    assert r["prompt_tokens"] == 900 and r["prompt_tokens_sent_twice"] == 500
+    assert r["sent_twice_share"] == pytest.approx(500 / 900)
+    assert r["answered_after_cancel"] == 2 and r["hedged"] == 1
+    tokens = sum(o.prompt_tokens + o.output_tokens for o in outs if o.ok)
+    assert r["usd_per_1m_tokens"] == pytest.approx(0.002 / tokens * 1e6)
+    assert r["ttft_p50_ms"] == pytest.approx(1800)
+    assert r["kept_local_ttft_p99_ms"] == pytest.approx(500 + (3000 - 500) * 0.99)
+
+
+def test_summarize_nothing(bench):
+    r = bench.summarize([], slo_s=2.5, spend_usd=0.0)
+    assert r["requests"] == 0 and r["slo_attainment"] == 0.0 and math.isnan(r["ttft_p99_ms"])
+    assert r["usd_per_1m_tokens"] is None
+
+
+def test_estimate_pairs_only_kept_local_unhedged(bench):
+    outs = [
+        outcome(bench, 0, 0.5, est=300.0),
+        outcome(bench, 1, 1.5, est=None),  # no header: left out
+        outcome(bench, 2, 0.4, served="provider/backup", est=3000.0),
+        outcome(bench, 3, 2.0, hedged=True, reason="hedge_local_won", est=100.0),
+        outcome(bench, 4, None, status=503, est=10.0),
+    ]
+    assert bench.estimate_pairs(outs) == [(300.0, 500.0)]
+
+
+def test_service_samples_mark_queued(bench):
+    # two slots: the third request arrives while the first two still stream, the fourth after they end
+    outs = [outcome(bench, 0, 0.2, sent=0.0, e2e=5.0), outcome(bench, 1, 0.2, sent=1.0, e2e=5.0),
+            outcome(bench, 2, 4.0, sent=2.0, e2e=8.0), outcome(bench, 3, 0.3, sent=9.0, e2e=1.0),
+            outcome(bench, 4, None, status=503, sent=2.5)]
+    samples = bench.service_samples(outs, slots=2)
+    assert [s.queued for s in samples] == [False, False, True, False]
+    assert samples[2].ttft_s == 4.0
+
+
+def test_table_lists_every_policy(bench):
+    r = bench.summarize([outcome(bench, 0, 0.5)], slo_s=2.5, spend_usd=0.0)
+    text = bench.table({"predictive": r, "local only": r}, oracle_usd=None)
+    lines = text.splitlines()
+    assert len(lines) == 4 and lines[1].count("---") == lines[0].count("|") - 1
+    assert "| predictive |" in lines[2] and "n/a" in lines[2]

@@ -1,0 +1,189 @@
+"""overflow.policy wired into the gateway, against fake backends: the hedge race, the ttft_timeout failover,
+on_error's local-first admission, and the admin switch. The decisions themselves: test_overflow_policies.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from lmfleet.testing.gateway_fakes import make_gateway, sse_events, stream_response
+from tests.unit.test_gateway_routing import CHAT, _client, _stop_gateways, ok_local, provider_ok  # noqa: F401
+
+STREAM = {**CHAT, "stream": True}
+ADMIN = {"authorization": "Bearer adm"}
+
+
+def slow(words: list[str], delay_s: float, calls: list | None = None):
+    async def handler(req: httpx.Request) -> httpx.Response:
+        if calls is not None:
+            calls.append(1)
+        await asyncio.sleep(delay_s)
+        return stream_response(sse_events(json.loads(req.content)["model"], words))
+    return handler
+
+
+async def _policy(c, **body) -> httpx.Response:
+    return await c.post("/admin/overflow", json={"model": "m", **body}, headers=ADMIN)
+
+
+async def _rows(app) -> list[tuple[str, str, str, int, int]]:
+    await app.state.gateway.recorder.flush()
+    return sorted((r["served_by"], r["route_reason"], r["status"], r["input_tokens"], r["output_tokens"])
+                  for r in app.state.gateway.recorder.ledger.rows())
+
+
+def _count(app, metric: str, **labels) -> float:
+    return app.state.gateway.metrics.registry.get_sample_value(metric, labels) or 0.0
+
+
+async def test_hedge_after_its_timer_the_provider_wins_and_the_local_attempt_is_cancelled(tmp_path):
+    app = make_gateway(tmp_path, slow(["late"], 3.0), {"p": provider_ok})
+    c = await _client(app)
+    assert (await _policy(c, policy="hedge", hedge_after_ms=200)).status_code == 200
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert r.status_code == 200 and "Remote" in r.text
+    assert r.headers["x-lmfleet-served-by"] == "provider/p"
+    assert r.headers["x-lmfleet-route-reason"] == "hedge_won"
+    assert r.headers["x-lmfleet-hedged"] == "1"
+    rows = await _rows(app)
+    assert [(s, why, st) for s, why, st, *_ in rows] == [("local/m", "hedge_cancelled", "499"),
+                                                         ("provider/p", "hedge_won", "200")]
+    assert rows[0][3] > 0  # the cancelled attempt's prompt is in the ledger
+    assert app.state.gateway.models["m"].local.tracker.in_flight == 0
+    assert _count(app, "lmfleet_hedges_total", model="m", outcome="started") == 1
+    assert _count(app, "lmfleet_hedges_total", model="m", outcome="won") == 1
+
+
+async def test_hedge_the_local_first_token_wins_and_the_provider_attempt_is_cancelled_and_paid(tmp_path):
+    app = make_gateway(tmp_path, slow(["Par", "is"], 0.6), {"p": slow(["Remote"], 3.0)})
+    c = await _client(app)
+    await _policy(c, policy="hedge", hedge_after_ms=200)
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
+    assert r.headers["x-lmfleet-route-reason"] == "hedge_local_won" and r.headers["x-lmfleet-hedged"] == "1"
+    rows = await _rows(app)
+    assert [(s, why, st) for s, why, st, *_ in rows] == [("local/m", "hedge_local_won", "200"),
+                                                         ("provider/p", "hedge_cancelled", "499")]
+    await app.state.gateway.recorder.flush()
+    cost = {r["served_by"]: r["cost_usd"] for r in app.state.gateway.recorder.ledger.rows()}
+    assert cost["provider/p"] > 0  # the loser's prompt is paid for
+    assert app.state.gateway.providers["p"].in_flight == 0
+    assert _count(app, "lmfleet_hedges_total", model="m", outcome="lost") == 1
+
+
+async def test_hedge_a_fast_local_answer_starts_no_hedge(tmp_path):
+    app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
+    c = await _client(app)
+    await _policy(c, policy="hedge", hedge_after_ms=500)
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert r.headers["x-lmfleet-served-by"] == "local/m" and "x-lmfleet-hedged" not in r.headers
+    assert r.headers["x-lmfleet-route-reason"] == "local_ok"
+    assert _count(app, "lmfleet_hedges_total", model="m", outcome="started") == 0
+
+
+async def test_hedge_that_fails_leaves_the_local_attempt_to_answer(tmp_path):
+    app = make_gateway(tmp_path, slow(["Par", "is"], 0.8), {"p": lambda req: httpx.Response(400, json={})})
+    c = await _client(app)
+    await _policy(c, policy="hedge", hedge_after_ms=200)
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"
+    assert _count(app, "lmfleet_hedges_total", model="m", outcome="failed") == 1
+    assert app.state.gateway.providers["p"].in_flight == 0
+
+
+async def test_ttft_timeout_cancels_the_local_attempt_and_fails_over(tmp_path):
+    calls: list = []
+    app = make_gateway(tmp_path, slow(["late"], 3.0, calls), {"p": provider_ok})
+    c = await _client(app)
+    await _policy(c, policy="ttft_timeout", ttft_timeout_ms=300)
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
+    assert r.headers["x-lmfleet-route-reason"] == "ttft_timeout" and "x-lmfleet-hedged" not in r.headers
+    assert len(calls) == 1  # no local retry after the timer
+    rows = await _rows(app)
+    assert [(s, why, st) for s, why, st, *_ in rows] == [("local/m", "ttft_timeout_cancelled", "499"),
+                                                         ("provider/p", "ttft_timeout", "200")]
+    assert app.state.gateway.models["m"].local.tracker.in_flight == 0
+    assert _count(app, "lmfleet_ttft_timeout_failovers_total", model="m", outcome="started") == 1
+    assert _count(app, "lmfleet_ttft_timeout_failovers_total", model="m", outcome="served") == 1
+
+
+@pytest.mark.parametrize("policy,timer", [("ttft_timeout", {"ttft_timeout_ms": 1}), ("on_error", {})])
+async def test_local_first_policies_keep_a_request_local_whatever_the_estimate(tmp_path, policy, timer):
+    app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
+    c = await _client(app)
+    await _policy(c, threshold_ms=0.001)  # every estimate is above it: predictive would spill
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.headers["x-lmfleet-served-by"] == "provider/p"
+    await _policy(c, policy=policy, **timer)
+    r = await c.post("/v1/chat/completions", json=CHAT)  # unary: no timer race, the admission rule only
+    assert r.headers["x-lmfleet-served-by"] == "local/m" and r.headers["x-lmfleet-route-reason"] == "local_first"
+
+
+async def test_on_error_a_local_5xx_goes_to_the_provider_without_a_local_retry(tmp_path):
+    calls: list = []
+
+    def down(req):
+        calls.append(1)
+        return httpx.Response(503, json={"error": {"message": "busy"}})
+
+    app = make_gateway(tmp_path, down, {"p": provider_ok})
+    c = await _client(app)
+    await _policy(c, policy="on_error")
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
+    assert r.headers["x-lmfleet-route-reason"] == "fallback_after_local_error"
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"policy": "sometimes"}, "policy must be one of"),
+    ({"policy": "hedge"}, "needs hedge_after_ms"),
+    ({"policy": "ttft_timeout", "ttft_timeout_ms": -5}, "needs ttft_timeout_ms > 0"),
+])
+async def test_admin_refuses_a_bad_policy(tmp_path, body, fragment):
+    c = await _client(make_gateway(tmp_path, ok_local, {"p": provider_ok}))
+    r = await _policy(c, **body)
+    assert r.status_code == 400 and fragment in r.text
+
+
+async def test_admin_refuses_a_policy_without_a_provider(tmp_path):
+    c = await _client(make_gateway(tmp_path, ok_local))
+    r = await _policy(c, policy="on_error")
+    assert r.status_code == 400 and "needs a provider" in r.text
+
+
+async def test_admin_sets_and_reports_the_policy(tmp_path):
+    app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
+    c = await _client(app)
+    r = await _policy(c, policy="hedge", hedge_after_ms=800)
+    assert r.json()["models"]["m"]["policy"] == "hedge" and r.json()["models"]["m"]["hedge_after_ms"] == 800
+    r = await _policy(c, policy="predictive", hedge_after_ms=None)
+    assert r.json()["models"]["m"]["policy"] == "predictive"
+
+
+async def test_the_policy_comes_from_the_models_config(tmp_path):
+    model = {"name": "m", "source": "builtin:tiny-random",
+             "deployment": {"max_ongoing_requests": 4, "request_timeout_s": 10},
+             "overflow": {"threshold_ms": 1000, "local_first_token_timeout_s": 2, "policy": "ttft_timeout",
+                          "ttft_timeout_ms": 300}}
+    app = make_gateway(tmp_path, slow(["late"], 3.0), {"p": provider_ok}, extra={"models": [model]})
+    c = await _client(app)
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert r.headers["x-lmfleet-served-by"] == "provider/p" and r.headers["x-lmfleet-route-reason"] == "ttft_timeout"
+
+
+@pytest.mark.parametrize("may_pay,served_by,hedged", [(False, "local/m", False), (True, "provider/p", True)])
+async def test_a_batch_request_is_hedged_only_when_its_tenant_may_pay(tmp_path, may_pay, served_by, hedged):
+    from tests.unit.test_gateway_tenants import key, tenant_gateway
+
+    app = tenant_gateway(tmp_path, {"a": {"priority": "batch", "batch_may_use_providers": may_pay}},
+                         local=slow(["late"], 1.0), providers={"p": provider_ok})
+    c = await _client(app)
+    await _policy(c, policy="hedge", hedge_after_ms=100)
+    r = await c.post("/v1/chat/completions", json=STREAM, headers=key("a"))
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == served_by
+    assert ("x-lmfleet-hedged" in r.headers) is hedged
