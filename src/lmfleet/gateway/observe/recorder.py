@@ -36,14 +36,14 @@ class Outcome:
     output_tokens: int = 0
     ttft_s: float | None = None
     status: int = 200
+    predicted_wait_ms: float | None = None
+    """The local wait the router predicted when it kept the request local (None: sent to a provider at admission,
+    or no estimate): with ``ttft_s``, the estimate's error (``lmfleet_queue_estimate_error_seconds``)."""
     usage_source: str = "provider"
     """Where the token counts came from: ``provider`` (the backend's usage) or ``estimated`` (the gateway's count
     with the model's tokenizer, for an answer without usage)."""
     upstream_model: str | None = None
     """The model name the backend answered with (None: it named none)."""
-    predicted_wait_ms: float | None = None
-    """The local wait the router predicted when it kept the request local (None: sent to a provider at admission,
-    or no estimate): with ``ttft_s``, the estimate's error (``lmfleet_queue_estimate_error_seconds``)."""
 
 
 TRANSIENT_WRITE_ERRORS: tuple[type[BaseException], ...] = (sqlite3.OperationalError, OSError, StoreUnavailable)
