@@ -109,7 +109,7 @@ def test_metrics_count_requests_tokens_and_ttft(fleet):
     text = fleet.admin("GET", "/metrics").text
     assert 'lmfleet_requests_total{model="smollm2",served_by="local/smollm2",status="200"}' in text
     assert 'lmfleet_time_to_first_token_seconds_count{model="smollm2",served_by="local/smollm2"}' in text
-    assert 'lmfleet_tokens_total{kind="output",model="smollm2",served_by="local/smollm2"}' in text
+    assert 'lmfleet_tokens_total{kind="output",model="smollm2",served_by="local/smollm2",usage_source="provider"}' in text
     assert 'lmfleet_errors_total{code="400",model="smollm2"}' in text
     assert 'lmfleet_model_ready{model="tiny"} 1.0' in text
 

@@ -78,7 +78,7 @@ def _metrics_with(events):
             m.errors.labels(model, code).inc()
         elif kind == "tok":
             model, served_by, k, n = args
-            m.tokens.labels(model, served_by, k).inc(n)
+            m.tokens.labels(model, served_by, k, "provider").inc(n)
         elif kind == "cost":
             model, served_by, usd = args
             m.cost.labels(model, served_by).inc(usd)

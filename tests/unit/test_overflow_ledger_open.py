@@ -63,7 +63,8 @@ CREATE TABLE reservations (id TEXT NOT NULL, key TEXT NOT NULL, request_id TEXT 
 CREATE TABLE spend_buckets (key TEXT NOT NULL, bucket_end BIGINT NOT NULL, nusd BIGINT NOT NULL,
     PRIMARY KEY (key, bucket_end));
 """
-ROW = UsageRecord("m", "local/m", "local_ok", 3, 4, "ok", tenant="acme")
+ROW = UsageRecord("m", "local/m", "local_ok", 3, 4, "ok", tenant="acme", usage_source="estimated",
+                  upstream_model="m-2026")
 
 
 def _columns(path) -> list[str]:
@@ -88,13 +89,16 @@ def test_old_sqlite_file_gains_the_tenant_column(tmp_path, store_first, old_stor
     openers = [lambda: Ledger(path), lambda: SqliteSpendStore(path)]
     for open_ in reversed(openers) if store_first else openers:  # the gateway opens both; either may come first
         open_().close()
-    assert _columns(path)[-1] == "tenant"
+    assert _columns(path)[-3:] == ["tenant", "usage_source", "upstream_model"]
     with SqliteSpendStore(path) as store:
         store.record(ROW, 7)
     with Ledger(path) as led:
         assert [(r["served_by"], r["tenant"], round(r["cost_usd"] * 1e9)) for r in led.rows()] == [
             ("provider/acme", None, 5000), ("local/m", "acme", 7)]
         assert {r.name: r.requests for r in led.summary(by="tenant")} == {"default": 1, "acme": 1}
+        # rows from before the columns say nothing; new ones say where their counts came from
+        assert [(r["usage_source"], r["upstream_model"]) for r in led.rows()] == [(None, None),
+                                                                                  ("estimated", "m-2026")]
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT MAX(version) FROM lmfleet_schema").fetchone() == (MIGRATIONS[-1][0],)
 

@@ -164,7 +164,8 @@ def test_an_old_postgres_ledger_upgrades_in_place(tmp_path, pg_server):
 ])
 def test_one_declaration_makes_both_dialects(dialect, first):
     table, index = create_table_sql(REQUESTS, dialect)
-    assert table.startswith(first) and table.endswith("cost_nusd " + TYPES[dialect]["int"] + " NOT NULL, tenant TEXT)")
+    assert table.startswith(first) and table.endswith(
+        "cost_nusd " + TYPES[dialect]["int"] + " NOT NULL, tenant TEXT, usage_source TEXT, upstream_model TEXT)")
     assert index == "CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts)"
 
 

@@ -36,6 +36,7 @@ Where things are::
       upstream.py          the HTTP calls and the classification of upstream failures
       streamclient.py      the lean HTTP/1.1 client for streams over plain HTTP
       sse.py               server-sent events: split, read usage (pure)
+      usage.py             an answer without usage: its text (pure), counted with the model's tokenizer
 
     observe/               what the gateway records
       recorder.py          metrics and the cost ledger of every finished request (the ledger writer)

@@ -110,14 +110,18 @@ class SqlLedger:
         ttft_ms: float | None = None,
         ts: float | None = None,
         tenant: str | None = None,
+        usage_source: str | None = None,
+        upstream_model: str | None = None,
     ) -> int:
         """Append one request; returns its row id. ``status``: e.g. "ok", "error", "cancelled", or an HTTP code.
-        ``tenant``: who sent it (None: reported as ``default``)."""
+        ``tenant``: who sent it (None: reported as ``default``); ``usage_source``: where the token counts came from
+        (``provider`` or ``estimated``); ``upstream_model``: the model name the backend answered with."""
         if input_tokens < 0 or output_tokens < 0 or cost_usd < 0:
             raise ValueError(f"negative usage: {input_tokens=} {output_tokens=} {cost_usd=}")
         when = self._clock() if ts is None else ts
         return self._insert(INSERT_REQUEST, (when, model, served_by, route_reason, input_tokens, output_tokens, latency_ms,
-                                      ttft_ms, str(status), usd_to_nusd(cost_usd), tenant))
+                                      ttft_ms, str(status), usd_to_nusd(cost_usd), tenant, usage_source,
+                                      upstream_model))
 
     def spend_since(self, ts: float, external_only: bool = True) -> float:
         """USD recorded at or after ``ts`` (external providers only by default)."""

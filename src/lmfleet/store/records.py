@@ -91,6 +91,11 @@ class UsageRecord:
     ttft_ms: float | None = None
     tenant: str | None = None
     """The tenant whose key sent it; None: untagged (reports show it as ``default``)."""
+    usage_source: str | None = None
+    """Where the token counts came from: ``provider`` (the backend's usage) or ``estimated`` (counted by the gateway
+    with the model's tokenizer, for an answer without usage); None: not said."""
+    upstream_model: str | None = None
+    """The model name the backend answered with (None: it named none)."""
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0 or self.output_tokens < 0:

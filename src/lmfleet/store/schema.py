@@ -70,6 +70,8 @@ REQUESTS = Table("requests", (
     Column("status", "text"),
     Column("cost_nusd", "int"),
     Column("tenant", "text", nullable=True),  # NULL: untagged, reported as the tenant "default"
+    Column("usage_source", "text", nullable=True),  # provider | estimated; NULL: a row from before the column
+    Column("upstream_model", "text", nullable=True),  # the model name the backend answered with
 ), indexes=(("requests_ts", ("ts",)),))
 
 RESERVATIONS = Table("reservations", (
@@ -133,7 +135,7 @@ def insert_sql(table: Table) -> str:
 
 INSERT_REQUEST = insert_sql(REQUESTS)
 """One ledger row: ts, model, served_by, route_reason, input_tokens, output_tokens, latency_ms, ttft_ms, status,
-cost_nusd, tenant."""
+cost_nusd, tenant, usage_source, upstream_model."""
 
 
 class Query(Protocol):
@@ -176,6 +178,8 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (2, AddColumn(REQUESTS, "tenant")),
     (3, CreateTables((TENANT_SLOTS, RATE_WINDOWS))),
     (4, CreateTables((TENANT_OVERRIDES,))),
+    (5, AddColumn(REQUESTS, "usage_source")),
+    (6, AddColumn(REQUESTS, "upstream_model")),
 )
 """(version, step), in order. A new table or column is declared above and gets a new step here."""
 

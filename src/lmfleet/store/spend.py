@@ -47,7 +47,8 @@ PURGE_EVERY_S = 60.0
 
 def _ledger_insert(q: Query, record: UsageRecord, cost_nusd: int, ts: float) -> None:
     q(INSERT_REQUEST, (ts, record.model, record.served_by, record.route_reason, record.input_tokens, record.output_tokens,
-       record.latency_ms, record.ttft_ms, str(record.status), cost_nusd, record.tenant))
+       record.latency_ms, record.ttft_ms, str(record.status), cost_nusd, record.tenant, record.usage_source,
+       record.upstream_model))
 
 
 class SqlSpendStore(TenantCounters, TenantOverrides):

@@ -151,11 +151,12 @@ ADMIN_KEY_ENV = "LMFLEET_FAKE_ADMIN_KEY"
 PROVIDER_KEY_ENV = "LMFLEET_FAKE_PROVIDER_KEY"
 
 
-def make_gateway(tmp_path, local: Handler, providers: dict[str, Handler] | None = None, *,
+def make_gateway(tmp_path, local: Handler, providers: dict[str, Handler | str] | None = None, *,
                  ready: bool = True, extra: dict | None = None, max_model_len: int = 64,
                  api_keys: frozenset[str] | set[str] = frozenset(), admin_key: str | None = "adm",
                  provider_extra: dict | None = None) -> FastAPI:
-    """The real gateway app for one model ``m`` (capacity 4) whose local deployment and providers are fakes.
+    """The real gateway app for one model ``m`` (capacity 4) whose local deployment and providers are fakes
+    (a provider given as a string is a server's base URL, without ``/v1``).
 
     ``app.state.gateway`` holds its parts (router, providers, health, recorder) for assertions.
     """
@@ -167,7 +168,7 @@ def make_gateway(tmp_path, local: Handler, providers: dict[str, Handler] | None 
         "models": [{"name": "m", "source": "builtin:tiny-random",
                     "deployment": {"max_ongoing_requests": 4, "request_timeout_s": 10},
                     "overflow": {"threshold_ms": 1000, "local_first_token_timeout_s": 2}}],
-        "providers": [{"name": n, "base_url": f"{fake_backend(h)}/v1", "model_map": {"m": f"{n}-model"},
+        "providers": [{"name": n, "base_url": f"{h if isinstance(h, str) else fake_backend(h)}/v1", "model_map": {"m": f"{n}-model"},
                        "api_key_env": PROVIDER_KEY_ENV,
                        "price": {"input_per_1m": 1.0, "output_per_1m": 2.0}, "max_retries": 1,
                        "breaker": {"backoff_base_s": 0.01, "backoff_cap_s": 0.02}, **(provider_extra or {})}

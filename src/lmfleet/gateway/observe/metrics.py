@@ -31,8 +31,10 @@ class GatewayMetrics:
             "waited longer than predicted).", ["model"], buckets=_ESTIMATE_ERROR_BUCKETS, registry=r)
         self.in_flight = Gauge("lmfleet_in_flight_requests", "Requests in flight at the gateway.",
                                ["model", "served_by"], registry=r)
-        self.tokens = Counter("lmfleet_tokens", "Tokens processed, by model, who served them and kind.",
-                              ["model", "served_by", "kind"], registry=r)
+        self.tokens = Counter("lmfleet_tokens", "Tokens processed, by model, who served them, kind, and where the "
+                              "count came from (usage_source: provider, or estimated with the model's tokenizer "
+                              "for an answer without usage).", ["model", "served_by", "kind", "usage_source"],
+                              registry=r)
         self.cost = Counter("lmfleet_cost_usd", "Cost of served requests in USD.", ["model", "served_by"], registry=r)
         self.queue_estimate = Gauge("lmfleet_queue_estimate_ms", "Latest predicted local wait before first token.",
                                     ["model"], registry=r)

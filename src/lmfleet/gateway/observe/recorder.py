@@ -39,6 +39,11 @@ class Outcome:
     predicted_wait_ms: float | None = None
     """The local wait the router predicted when it kept the request local (None: sent to a provider at admission,
     or no estimate): with ``ttft_s``, the estimate's error (``lmfleet_queue_estimate_error_seconds``)."""
+    usage_source: str = "provider"
+    """Where the token counts came from: ``provider`` (the backend's usage) or ``estimated`` (the gateway's count
+    with the model's tokenizer, for an answer without usage)."""
+    upstream_model: str | None = None
+    """The model name the backend answered with (None: it named none)."""
 
 
 TRANSIENT_WRITE_ERRORS: tuple[type[BaseException], ...] = (sqlite3.OperationalError, OSError, StoreUnavailable)
@@ -69,7 +74,7 @@ class Recorder:
         self._model_names = model_names
         self._queue: asyncio.Queue[Callable[[], Any]] = asyncio.Queue()
         self._writer: asyncio.Task | None = None
-        self._metric_children: dict[tuple[str, str, int], tuple[Any, ...]] = {}
+        self._metric_children: dict[tuple[str, str, int, str], tuple[Any, ...]] = {}
         self._tenant_metric_children: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
         self.failing_since: float | None = None
         """When the write at the head of the queue first failed (None: writes land)."""
@@ -168,18 +173,18 @@ class Recorder:
                 self._tenant_metric_children[key] = c
         return c
 
-    def _children(self, model: str, served_by: str, status: int) -> tuple[Any, ...]:
-        """The labelled metric children of one (model, backend, status), looked up once
+    def _children(self, model: str, served_by: str, status: int, source: str) -> tuple[Any, ...]:
+        """The labelled metric children of one (model, backend, status, usage source), looked up once
         (prometheus_client's ``labels()`` costs a few microseconds a call)."""
-        key = (model, served_by, status)
+        key = (model, served_by, status, source)
         c = self._metric_children.get(key)
         if c is None:
             m = self.metrics
             c = (m.requests.labels(model, served_by, str(status)), m.latency.labels(model, served_by),
-                 m.ttft.labels(model, served_by), m.tokens.labels(model, served_by, "input"),
-                 m.tokens.labels(model, served_by, "output"), m.errors.labels(model, str(status)) if status != 200
-                 else None, m.cost.labels(model, served_by))
-            if len(self._metric_children) < 10_000:  # labels are bounded (models x backends x statuses)
+                 m.ttft.labels(model, served_by), m.tokens.labels(model, served_by, "input", source),
+                 m.tokens.labels(model, served_by, "output", source),
+                 m.errors.labels(model, str(status)) if status != 200 else None, m.cost.labels(model, served_by))
+            if len(self._metric_children) < 10_000:  # labels are bounded (models x backends x statuses x sources)
                 self._metric_children[key] = c
         return c
 
@@ -191,8 +196,8 @@ class Recorder:
             t_requests.inc()
             t_in.inc(o.input_tokens)
             t_out.inc(o.output_tokens)
-        requests, latency, ttft, tokens_in, tokens_out, errors, cost_total = self._children(model, o.served_by,
-                                                                                            o.status)
+        requests, latency, ttft, tokens_in, tokens_out, errors, cost_total = self._children(
+            model, o.served_by, o.status, o.usage_source)
         requests.inc()
         latency.observe(latency_s)
         if o.ttft_s is not None:
@@ -209,7 +214,8 @@ class Recorder:
             return
         row = UsageRecord(model=model, served_by=o.served_by, route_reason=o.reason, input_tokens=o.input_tokens,
                           output_tokens=o.output_tokens, status=str(o.status), latency_ms=latency_s * 1000,
-                          ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None, tenant=tenant)
+                          ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None, tenant=tenant,
+                          usage_source=o.usage_source, upstream_model=o.upstream_model)
         reservation = getattr(slot, "reservation", None)
         if reservation is not None and self.store is not None:  # settle the hold to the real cost, row included
             store = self.store

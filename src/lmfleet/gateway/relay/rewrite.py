@@ -51,10 +51,12 @@ def rewrite(batch: list[bytes], usage: tuple[int, int] | None, done: bool, renam
                     continue
                 obj.pop("usage", None)
                 e = event_bytes(obj)
-        if rename is not None and b'"model":' in e:
+        if rename is not None and b'"model"' in e:
             obj = sse.event_json(e)
             if obj is not None:
                 obj["model"] = rename
+                if not wants_usage and "usage" in obj and obj["usage"] is None:  # sent because the gateway asked
+                    del obj["usage"]
                 e = event_bytes(obj)
         if sse.has_choices(e):
             chunks += 1

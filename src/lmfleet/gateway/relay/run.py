@@ -46,6 +46,8 @@ from lmfleet.gateway.relay import sse
 from lmfleet.gateway.relay.response import RelayResponse
 from lmfleet.gateway.relay.rewrite import rewrite, take_usage
 from lmfleet.gateway.relay.upstream import STREAM_ERRORS, Endpoint, OpenStream, complete, open_stream
+from lmfleet.gateway.relay.usage import ESTIMATED, PROVIDER, StreamText, answer_text, answered_model, count_usage, \
+    estimate
 from lmfleet.gateway.routing.backends import Ask, Backend, ProviderBackend
 from lmfleet.gateway.routing.router import Plan
 from lmfleet.gateway.routing.served import PromptSize, ServedModel
@@ -68,6 +70,8 @@ SERVED_BY = "x-lmfleet-served-by"
 ROUTE_REASON = "x-lmfleet-route-reason"
 QUEUE_ESTIMATE = "x-lmfleet-queue-estimate-ms"
 HEDGED = "x-lmfleet-hedged"
+UPSTREAM_MODEL = "x-lmfleet-upstream-model"
+"""The model name the backend answered with (the client's own name is in the body)."""
 
 T = TypeVar("T")
 
@@ -114,8 +118,12 @@ class RequestRun:
     async def unary(self) -> Response:
         b, slot, (raw, obj) = await self._first_success(lambda ep: complete(ep, self.path, self.req.body))
         finished = False
+        answered = obj.get("model") if isinstance(obj.get("model"), str) and obj.get("model") else None
         try:
-            usage = sse.usage_of(obj) or (self.prompt_tokens, 0)
+            usage, source = sse.usage_of(obj), PROVIDER
+            if usage is None:  # never free: counted with the model's tokenizer
+                usage, source = await estimate(self.m.tokenizer, self.req.kind, self.req.body, answer_text(obj),
+                                               self.prompt_tokens), ESTIMATED
             if obj.get("model") != self.req.model:  # a provider's own model name never reaches the client
                 obj["model"] = self.req.model
                 raw = json.dumps(obj).encode()
@@ -124,8 +132,9 @@ class RequestRun:
         finally:
             if not finished:  # whatever went wrong, the slot is freed
                 b.cancel(slot)
-        self._record(b, slot, Outcome(b.label, self.reason.value, usage[0], usage[1]))
-        return Response(raw, media_type="application/json", headers=self._headers(b))
+        self._record(b, slot, Outcome(b.label, self.reason.value, usage[0], usage[1], usage_source=source,
+                                      upstream_model=answered))
+        return Response(raw, media_type="application/json", headers=self._headers(b, answered))
 
     async def answer(self) -> Any:
         """The answer (:meth:`stream` or :meth:`unary`); with the prompt's count still pending, the upstream call
@@ -167,7 +176,9 @@ class RequestRun:
         b.first_token(slot)
         if self.span is not None:
             self._relay_span = self.tracer.start_relay(self.span)  # type: ignore[union-attr]
-        return RelayResponse(self._relay(st, b, slot, ttft), headers={**self._headers(b), "cache-control": "no-cache"})
+        answered = answered_model(b"".join(st.head))
+        return RelayResponse(self._relay(st, b, slot, ttft, answered),
+                             headers={**self._headers(b, answered), "cache-control": "no-cache"})
 
     # ---- attempts ----------------------------------------------------------------------------
     def _tries(self) -> Iterator[tuple[Backend, int, bool, bool]]:
@@ -240,7 +251,8 @@ class RequestRun:
                 if self._settled:  # a race already failed or dropped this attempt
                     raise
                 b.cancel(slot)
-                self._record(b, slot, Outcome(b.label, self.reason.value, self.prompt_tokens, 0, None, CANCELLED))
+                self._record(b, slot, Outcome(b.label, self.reason.value, self.prompt_tokens, 0, None, CANCELLED,
+                                              usage_source=ESTIMATED))
                 raise
         if self.reason is Reason.TTFT_TIMEOUT:
             self.recorder.metrics.ttft_failovers.labels(self.m.name, "failed").inc()
@@ -401,7 +413,8 @@ class RequestRun:
             return
         b.cancel(slot)
         self._leave(b)
-        self._record(b, slot, Outcome(b.label, reason.value, self.prompt_tokens, generated, None, CANCELLED))
+        self._record(b, slot, Outcome(b.label, reason.value, self.prompt_tokens, generated, None, CANCELLED,
+                                      usage_source=ESTIMATED))
 
     def _leave(self, b: Backend) -> None:
         if b is self.m.local:
@@ -472,17 +485,23 @@ class RequestRun:
         return self.deadline - time.monotonic()
 
     # ---- relay -------------------------------------------------------------------------------
-    async def _relay(self, st: OpenStream, b: Backend, slot: Any, ttft: float) -> AsyncIterator[bytes]:
+    async def _relay(self, st: OpenStream, b: Backend, slot: Any, ttft: float,
+                     answered: str | None) -> AsyncIterator[bytes]:
         """Relay the stream: what arrives together goes out together, as the backend's own bytes.
 
         Most reads (a local model's token events) pass through untouched after a few substring scans; only
-        a read that carries the usage event, an error event, or a provider's own model name is parsed.
+        a read that carries the usage event, an error event, or a provider's own model name is parsed
+        (``answered``: the name its first events carry). A provider's blocks are kept (:class:`StreamText`) to
+        count the answer's tokens should no usage arrive; a local engine always sends usage (its chunks count
+        otherwise), and its token events are not held or parsed.
         """
         usage: tuple[int, int] | None = None
         chunks = 0
         done = False
         status = 200
-        rename = self.req.model if st.endpoint.upstream_model != self.req.model else None
+        seen = StreamText() if b is not self.m.local else None
+        renamed = st.endpoint.upstream_model != self.req.model or answered not in (None, self.req.model)
+        rename = self.req.model if renamed else None
         try:
             async with asyncio.timeout(max(0.0, self._remaining())):
                 async for block in st.blocks():
@@ -500,6 +519,8 @@ class RequestRun:
                         done = done or sse.DONE in block
                     chunks += n
                     if block:  # one write, no waiting for more
+                        if seen is not None:
+                            seen.add(block)
                         yield block
             if not done and status == 200:
                 status = 502
@@ -520,20 +541,29 @@ class RequestRun:
                                   code="upstream_stream_error")
         finally:
             await st.aclose()
-            out_tokens = usage[1] if usage else chunks
-            in_tokens = usage[0] if usage else self.prompt_tokens
+            source = PROVIDER
+            if usage is None:  # never free: counted with the model's tokenizer
+                source = ESTIMATED
+                text = seen.text() if seen is not None else None
+                args = (self.m.tokenizer, self.req.kind, self.req.body, text, self.prompt_tokens, chunks)
+                # a client that left cancels the task: counted here and now, no await that could be cut short
+                usage = count_usage(*args) if status == CANCELLED else await estimate(*args)
+            in_tokens, out_tokens = usage
             if status == 200:
                 b.finish(slot, out_tokens)
             elif status == CANCELLED:
                 b.cancel(slot)
             else:
                 b.break_stream(slot, out_tokens, timed_out=status == 504)
-            self._record(b, slot, Outcome(b.label, self.reason.value, in_tokens, out_tokens, ttft, status))
+            self._record(b, slot, Outcome(b.label, self.reason.value, in_tokens, out_tokens, ttft, status,
+                                          usage_source=source, upstream_model=answered))
 
     # ---- bookkeeping -------------------------------------------------------------------------
-    def _headers(self, b: Backend) -> dict[str, str]:
+    def _headers(self, b: Backend, answered: str | None = None) -> dict[str, str]:
         h = {SERVED_BY: b.label, ROUTE_REASON: self.reason.value, QUEUE_ESTIMATE: f"{self.plan.estimate_ms:.0f}",
              **self.plan.headers}
+        if answered is not None and answered.isascii() and answered.isprintable():  # what a header may carry
+            h[UPSTREAM_MODEL] = answered
         if self.hedged:
             h[HEDGED] = "1"
         return h

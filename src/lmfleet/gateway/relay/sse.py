@@ -164,12 +164,16 @@ def has_choices(event: bytes) -> bool:
 
 def usage_of(obj: Any) -> tuple[int, int] | None:
     """(prompt_tokens, completion_tokens) from a response or chunk, if it carries usage as non-negative integers
-    (an upstream that sends anything else is treated as sending no usage)."""
+    (an upstream that sends anything else is treated as sending no usage): under ``usage`` (OpenAI, and in the
+    last content chunk for Together and Fireworks) or ``x_groq.usage`` (Groq)."""
     if not isinstance(obj, dict):
         return None
     u = obj.get("usage")
     if not isinstance(u, dict):
-        return None
+        groq = obj.get("x_groq")  # Groq puts the last chunk's usage under its own key
+        u = groq.get("usage") if isinstance(groq, dict) else None
+        if not isinstance(u, dict):
+            return None
     counts = [u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
     if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
         return None

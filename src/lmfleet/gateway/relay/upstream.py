@@ -131,6 +131,50 @@ def redact(message: str, ep: Endpoint) -> str:
     return message
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def parse_duration(value: str | None) -> float | None:
+    """Seconds from a rate-limit reset as providers write it: ``"1s"``, ``"6m0s"``, ``"20ms"``, ``"2m59.56s"``
+    (OpenAI, Groq) or a bare number of seconds; None if absent or unparseable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    parts = _DURATION.findall(value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        return None
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+def retry_after_from(headers: Any) -> float | None:
+    """How long a provider asks to be left alone, from its answer's headers (None: it does not say), in order of
+    precision: ``retry-after-ms`` (OpenAI, Azure), ``retry-after`` (seconds or an HTTP date), then the reset of
+    an exhausted ``x-ratelimit-remaining-{requests,tokens}`` from ``x-ratelimit-reset-{requests,tokens}``
+    (OpenAI, Groq, Together)."""
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            v = float(ms) / 1000
+            if v == v and v >= 0:  # not NaN
+                return parse_retry_after(str(v))
+        except ValueError:
+            pass
+    v = parse_retry_after(headers.get("retry-after"))
+    if v is not None:
+        return v
+    resets = {k: parse_duration(headers.get(f"x-ratelimit-reset-{k}")) for k in ("requests", "tokens")}
+    exhausted = [r for k, r in resets.items() if r is not None and headers.get(f"x-ratelimit-remaining-{k}") == "0"]
+    if exhausted:
+        return parse_retry_after(str(max(exhausted)))
+    known = [r for r in resets.values() if r is not None]
+    return parse_retry_after(str(min(known))) if known else None
+
+
 def _error_from_response(ep: Endpoint, status: int, raw: bytes, headers: Any) -> UpstreamError:
     try:
         err = json.loads(raw).get("error") or {}
@@ -139,7 +183,7 @@ def _error_from_response(ep: Endpoint, status: int, raw: bytes, headers: Any) ->
         message = None
     message = redact(clean_message(message or raw[:300].decode(errors="replace") or f"HTTP {status}"), ep)
     if status == 429:
-        return UpstreamRateLimited(message, status=status, retry_after_s=parse_retry_after(headers.get("retry-after")))
+        return UpstreamRateLimited(message, status=status, retry_after_s=retry_after_from(headers))
     if status >= 500 or status == 408 or (status == 404 and ep.not_found_is_transient):
         return UpstreamServerError(message, status=status)
     if status in (401, 403, 404):  # we chose the key, the path and the upstream model name, not the client
