@@ -77,10 +77,11 @@ def serve_gateway(config: str, fake_url: str, loop: str, http: str, profile_out:
 
     from lmfleet.config import load_config
 
-    from lmfleet.gateway.front.server import uvicorn_options
+    from lmfleet.gateway.front.server import quiet_gc, uvicorn_options
 
     fleet = load_config(config)
     app = make_gateway_app(fleet, fake_url)
+    quiet_gc()  # as `lmfleet serve` does
     # "lmfleet": the HTTP protocol and limits `lmfleet serve` runs with (uvicorn's httptools protocol, guarded)
     opts = uvicorn_options(fleet.gateway) if http == "lmfleet" else {"http": http}
     server = uvicorn.Server(uvicorn.Config(app, host=fleet.gateway.host, port=fleet.gateway.port, loop=loop,

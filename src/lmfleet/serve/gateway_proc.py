@@ -34,7 +34,7 @@ from lmfleet.gateway.build import check_ledger, preflight
 from lmfleet.gateway.routing.health import serve_status_fetcher
 from lmfleet.gateway.routing.peers import PeerBoard, list_gateways, node_address
 from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
-from lmfleet.gateway.front.server import uvicorn_options
+from lmfleet.gateway.front.server import quiet_gc, uvicorn_options
 from lmfleet.store import StoreUnavailable
 from lmfleet.serve.apps import DeployError, wait_until_running
 
@@ -96,6 +96,7 @@ class GatewayServer:
 
     async def start(self) -> bool:
         """Start serving; False when the server stopped at once (its error is logged)."""
+        quiet_gc()  # before the app's lifespan starts the loop watchdog: this one pause is expected
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
         await asyncio.sleep(0.2)
         if self.task.done():
