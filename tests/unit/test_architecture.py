@@ -16,6 +16,7 @@ import pytest
 
 import lmfleet
 from lmfleet.errors import LmfleetError
+from tests.unit.test_imports import find_cycles  # one Tarjan for both import-graph tests
 
 SRC = Path(lmfleet.__file__).parent
 
@@ -70,42 +71,6 @@ def import_graph() -> dict[str, set[str]]:
             if dst is not None and dst != src_unit and ((SRC / dst).is_dir() or (SRC / f"{dst}.py").exists()):
                 graph[src_unit].add(dst)
     return dict(graph)
-
-
-def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one node (Tarjan), each sorted: every node of one reaches
-    every other, so each is one or more import cycles."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                components.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return sorted(components)
 
 
 def _edge_sources(a: str, b: str) -> list[str]:
