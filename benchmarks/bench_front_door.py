@@ -53,7 +53,7 @@ from pathlib import Path
 import psutil
 
 from lmfleet.net import free_port
-from lmfleet.testing.relay_load import cpu_s, http_json, make_gateway_app
+from lmfleet.testing.relay_load import cpu_s, http_json, make_gateway_app, pct
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,15 +110,6 @@ def hist_pct(hist: list[int], q: float, bin_s: float = GAP_BIN_S) -> float:
         if seen >= rank and n:
             return (i + 1) * bin_s
     return len(hist) * bin_s
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 # ---------------------------------------------------------------------------------------------
