@@ -312,7 +312,7 @@ def main() -> None:
     ap.add_argument("--serve-only", action="store_true", help="start the fleet, print its URL, run until Ctrl-C")
     args = ap.parse_args()
     if args.smoke:
-        args.duration, args.rounds = 12, 1
+        args.duration, args.rounds = 8, 1
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     print(f"load at start: {load()}", flush=True)

@@ -7,8 +7,9 @@ with a real API key) behind a fault-injecting proxy. Both engines start in paral
 
 Engines cost about a minute each to start here, so everything is shared. The order of the e2e tests is set by
 the ``e2e_order(n)`` marker (:func:`pytest_collection_modifyitems`), not by file names: the multinode tests run
-first (their own cluster must be gone before ``fleet`` starts), the tests that break the shared fleet (engine
-death, then shutdown) last.
+first (their own cluster must be gone before ``fleet`` starts), with the first-run terminal test (a fleet of its
+own); the tests that break the shared fleet (engine death, then shutdown) after the others; last the tests with a
+fleet of their own that would only slow down beside it (prefix routing).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ def test_readme_question_is_answered_right_at_default_sampling(fleet):
 TERMINAL_ALLOW: tuple[str, ...] = ()
 
 
+@pytest.mark.e2e_order(-1)  # before the shared fleet starts: its engines would slow this start for nothing
 def test_serve_terminal_is_quiet_from_start_to_ctrl_c(tmp_path):
     """`lmfleet serve` as a user runs it (the default fleet, no --verbose), one request, Ctrl-C: every line on the
     terminal is lmfleet's own, it says how long start-up took, and it ends with "shutting down…" and "stopped"."""

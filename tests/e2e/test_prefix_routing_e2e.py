@@ -17,8 +17,9 @@ import yaml
 
 from tests.e2e.conftest import START_TIMEOUT_S, VENV_BIN, _wait_http, descendants, end_processes, free_port
 
-# its own fleet (two more tiny engines beside the shared one): ~4 min on the CI kind of machine (docs/routing.md)
-pytestmark = pytest.mark.e2e
+# its own fleet (two tiny engines), started after the shared fleet has stopped (``e2e_order(3)``), so that five
+# engines never share the machine
+pytestmark = [pytest.mark.e2e, pytest.mark.e2e_order(3)]
 
 ADMIN = "routing-e2e-admin"
 SHARED = "You are a careful assistant. " * 40  # ~1,100 characters: the match rate of a new suffix stays high

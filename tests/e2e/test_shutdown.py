@@ -1,5 +1,5 @@
 """Ctrl-C on `lmfleet serve` stops everything it started: Ray, Serve replicas, vLLM engines, the gateway.
-Runs last (``e2e_order(2)``): it stops the shared fleet."""
+Runs after the other shared-fleet tests (``e2e_order(2)``): it stops the shared fleet."""
 
 from __future__ import annotations
 

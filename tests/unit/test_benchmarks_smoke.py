@@ -27,7 +27,8 @@ SMOKE = [
 ]
 # start engines (or need GPUs): their imports and arguments only
 HELP_ONLY = ["bench_gateway.py", "bench_overflow.py", "bench_gateways_overload.py", "bench_prefix_routing.py",
-             "bench_vs_vllm.py", "planner_vs_vllm.py", "soak_gateway.py", "gpu_proof.py", "bench_budget_store.py"]
+             "bench_vs_vllm.py", "planner_vs_vllm.py", "soak_gateway.py", "gpu_proof.py", "bench_budget_store.py",
+             "bench_engine_start.py"]
 
 
 def run(script: str, args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
