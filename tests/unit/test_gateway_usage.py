@@ -112,6 +112,33 @@ def test_count_usage_with_the_tokenizer(kind, body, text, guess, chunks, usage):
     assert count_usage(CountingTokenizer(), kind, body, text, guess, chunks) == usage
 
 
+class WatchedTokenizer(CountingTokenizer):
+    """A CountingTokenizer that notes every text it is given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def encode(self, text, add_special_tokens=True):
+        self.seen.append(text)
+        return super().encode(text, add_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        self.seen += [m["content"] for m in messages]
+        return super().apply_chat_template(messages, add_generation_prompt, tokenize)
+
+
+@pytest.mark.parametrize("kind,body,text,counted,usage", [
+    ("chat", {"messages": [{"role": "user", "content": "a b c"}]}, "x y", 40, (40, 2)),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "tools": [{"function": {"name": "f g"}}]}, "", 40,
+     (40 + 2, 0)),  # tool definitions are not part of the earlier count
+    ("completions", {"prompt": "a b c d"}, None, 40, (40, 3)),
+])
+def test_count_usage_takes_a_prompt_already_counted(kind, body, text, counted, usage):
+    tok = WatchedTokenizer()
+    assert count_usage(tok, kind, body, text, 0, 3, prompt_counted=counted) == usage
+    assert not any("a" in t.split() for t in tok.seen)  # the prompt's words were not tokenized again
+
+
 @pytest.mark.parametrize("text,chunks,usage", [("abcdefgh", 0, (11, 2)), ("ab", 5, (11, 5)), ("", 0, (11, 0))])
 def test_count_usage_without_a_tokenizer_uses_the_guess(text, chunks, usage):
     assert count_usage(None, "chat", {"messages": []}, text, 11, chunks) == usage
