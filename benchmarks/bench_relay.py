@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--ttft-ms", type=float, default=0.0, help="the fake engine's time to first token")
     ap.add_argument("--itl-ms", type=float, default=0.0, help="the fake engine's inter-token latency")
+    ap.add_argument("--fake-dialect", help="the fake answers as this provider (e.g. openai: every event names its "
+                                           "model, so the provider path puts the client's name back in each)")
     ap.add_argument("--variants", default="uvloop:lmfleet",
                     help="uvicorn loop:http pairs, one gateway process each; http \"lmfleet\" is what lmfleet serve runs "
                          "(httptools behind gateway/front/server.py guarded_protocol)")
@@ -210,6 +212,8 @@ def main() -> None:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     admin_key = "bench-admin"
     fake_args = ["--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--max-tokens", str(args.max_tokens)]
+    if args.fake_dialect:
+        fake_args += ["--dialect", args.fake_dialect]
     with tempfile.TemporaryDirectory(prefix="bench-relay-") as tmp, FastServer(*fake_args) as fake:
         fake_ps = psutil.Process(fake.proc.pid)
         gateways: list[Gateway] = []

@@ -552,3 +552,23 @@ async def test_a_stream_whose_upstream_lingers_after_done_is_recorded_as_served(
     served = gw.metrics.requests.labels("m", "local/m", "200")._value.get()
     cancelled = gw.metrics.requests.labels("m", "local/m", "499")._value.get()
     assert (served, cancelled) == (1, 0)
+
+
+async def test_a_stream_without_usage_reuses_the_prompts_count(tmp_path, monkeypatch):
+    """The count made for the context check is what the ledger gets; the prompt is not tokenized again."""
+    from lmfleet.gateway.relay import usage
+
+    def no_usage(req):
+        return stream_response(sse_events("m", ["a", "b"], usage=False))
+
+    def recount(*a):
+        raise AssertionError("the prompt was tokenized again")
+
+    app = make_gateway(tmp_path, no_usage, max_model_len=20)
+    c = await started_client(app)
+    monkeypatch.setattr(usage, "count_chat", recount)
+    r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 13, "stream": True})
+    assert r.status_code == 200 and b"[DONE]" in r.content
+    await app.state.gateway.recorder.flush()
+    [row] = app.state.gateway.recorder.ledger.rows()
+    assert (row["input_tokens"], row["output_tokens"], row["usage_source"]) == (7, 2, "estimated")

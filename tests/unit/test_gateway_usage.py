@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lmfleet.gateway.relay import sse
-from lmfleet.gateway.relay.rewrite import rewrite, take_usage
+from lmfleet.gateway.relay.rewrite import rename_model, rewrite, take_usage
 from lmfleet.gateway.relay.upstream import parse_duration, retry_after_from
 from lmfleet.gateway.relay.usage import StreamText, answer_text, answered_model, count_usage, stream_text
 from lmfleet.testing.gateway_fakes import CountingTokenizer
@@ -112,6 +112,33 @@ def test_count_usage_with_the_tokenizer(kind, body, text, guess, chunks, usage):
     assert count_usage(CountingTokenizer(), kind, body, text, guess, chunks) == usage
 
 
+class WatchedTokenizer(CountingTokenizer):
+    """A CountingTokenizer that notes every text it is given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def encode(self, text, add_special_tokens=True):
+        self.seen.append(text)
+        return super().encode(text, add_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        self.seen += [m["content"] for m in messages]
+        return super().apply_chat_template(messages, add_generation_prompt, tokenize)
+
+
+@pytest.mark.parametrize("kind,body,text,counted,usage", [
+    ("chat", {"messages": [{"role": "user", "content": "a b c"}]}, "x y", 40, (40, 2)),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "tools": [{"function": {"name": "f g"}}]}, "", 40,
+     (40 + 2, 0)),  # tool definitions are not part of the earlier count
+    ("completions", {"prompt": "a b c d"}, None, 40, (40, 3)),
+])
+def test_count_usage_takes_a_prompt_already_counted(kind, body, text, counted, usage):
+    tok = WatchedTokenizer()
+    assert count_usage(tok, kind, body, text, 0, 3, prompt_counted=counted) == usage
+    assert not any("a" in t.split() for t in tok.seen)  # the prompt's words were not tokenized again
+
+
 @pytest.mark.parametrize("text,chunks,usage", [("abcdefgh", 0, (11, 2)), ("ab", 5, (11, 5)), ("", 0, (11, 0))])
 def test_count_usage_without_a_tokenizer_uses_the_guess(text, chunks, usage):
     assert count_usage(None, "chat", {"messages": []}, text, 11, chunks) == usage
@@ -156,3 +183,71 @@ def test_stream_text_keeps_the_same_text_whenever_it_compacts(compact_bytes):
 
 def test_count_usage_of_a_stream_whose_text_was_not_kept_counts_its_chunks():
     assert count_usage(CountingTokenizer(), "completions", {"prompt": "a b"}, None, 0, 7) == (2, 7)
+
+
+# ---- the client's model name put back as bytes (rename_model) ---------------------------------------------------
+OPENAI_CHUNK = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"gpt-4o-mini-2024-07-18",'
+                b'"system_fingerprint":"fp_1","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}],'
+                b'"usage":null}\n\n')
+
+
+@pytest.mark.parametrize("event,drop,out", [
+    (OPENAI_CHUNK, False, OPENAI_CHUNK.replace(b'"gpt-4o-mini-2024-07-18"', b'"tiny"')),
+    (OPENAI_CHUNK, True, OPENAI_CHUNK.replace(b'"gpt-4o-mini-2024-07-18"', b'"tiny"').replace(b',"usage":null', b"")),
+    (b'data: {"id": "x", "model": "a", "choices": [{"delta": {"content": "\xc3\xa9"}}], "usage": null}\n\n', True,
+     b'data: {"id": "x", "model": "tiny", "choices": [{"delta": {"content": "\xc3\xa9"}}]}\n\n'),  # spaces, UTF-8
+    (b'data:{"model":"","choices":[]}\n\n', False, b'data:{"model":"tiny","choices":[]}\n\n'),  # Azure's first
+    # parsed instead: not one plain data line, a nested or repeated name, odd values, usage elsewhere
+    (b"data: [DONE]\n\n", True, None),
+    (b": OPENROUTER PROCESSING\n\n", True, None),
+    (b'event: x\ndata: {"model":"a","choices":[]}\n\n', True, None),
+    (b'data: {"model":"a",\ndata: "choices":[]}\n\n', True, None),
+    (b'data: {"x":{"model":"a"},"choices":[]}\n\n', True, None),
+    (b'data: {"choices":[{"model":"a"}]}\n\n', True, None),
+    (b'data: {"model":"a","choices":[],"y":{"model":"b"}}\n\n', True, None),
+    (b'data: {"model":"a\\"b","choices":[]}\n\n', True, None),
+    (b'data: {"model":null,"choices":[]}\n\n', True, None),
+    (b'data: {"id":"{","model":"a","choices":[]}\n\n', True, None),
+    (b'data: {"model":"a","usage":null,"choices":[]}\n\n', True, b'data: {"model":"tiny","choices":[]}\n\n'),
+    (b'data: {"id": "x", "usage": null, "model": "a", "choices": []}\n\n', True,
+     b'data: {"id": "x", "model": "tiny", "choices": []}\n\n'),  # the fake's openai dialect
+    (b'data: {"model":"a","choices":[{"usage":null}],"usage":null}\n\n', True, None),
+    (b'data: {"model":"a","choices":[{"delta":{}}],"usage":null,"x":1}\n\n', True, None),
+    (b'data: {"usage":null}\n\n', True, None),
+    (b'data: {"model":"a","choices":[],"usage":{"prompt_tokens":1}}\n\n', True, None),
+    (b'data: {"error":{"message":"boom"},"model":"a"}\n\n', True, None),
+    (b'data: {"model":"a","error":{"message":"boom"}}\n\n', True, b'data: {"model":"tiny","error":{"message":"boom"}}\n\n'),
+    (b"data: not json\n\n", True, None),
+])
+def test_rename_model_as_bytes(event, drop, out):
+    got = rename_model(event, b'"tiny"', drop_null_usage=drop)
+    assert got == out
+    if got is not None:  # what parsing it would have sent, as JSON
+        slow = sse.event_json(event)
+        slow["model"] = "tiny"
+        if drop and slow.get("usage", 0) is None:
+            del slow["usage"]
+        assert sse.event_json(got) == slow
+
+
+@pytest.mark.parametrize("wants_usage", [False, True])
+def test_renamed_stream_read_in_pieces_matches_parsing_each_event(wants_usage):
+    """A provider's stream cut anywhere between reads: the events renamed as bytes carry what parsing gives."""
+    events = [OPENAI_CHUNK,
+              b'data: {"id":"x","model":"gpt-4o","choices":[{"delta":{"content":"\xe2\x82\xac \\"q\\""}}],"usage":null}\n\n',
+              b'data: {"id":"x","model":"gpt-4o","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,'
+              b'"total_tokens":7}}\n\n',
+              b'data: {"error":{"message":"m","type":"t"}}\n\n',
+              b"data: [DONE]\n\n"]
+    raw = b"".join(events)
+    for cut in range(1, len(raw), 7):
+        splitter = sse.SSESplitter()
+        out = b"".join(rewrite(sse.split_events(block), None, False, "tiny", wants_usage)[0]
+                       for block in (splitter.feed_block(raw[:cut]), splitter.feed_block(raw[cut:])) if block)
+        got = [sse.event_json(e) for e in sse.split_events(out)]
+        assert [o["model"] for o in got if o and "choices" in o] == ["tiny"] * (3 if wants_usage else 2)
+        assert [("usage" in o) for o in got if o and "choices" in o] == ([True] * 3 if wants_usage else [False] * 2)
+        assert got[-2] == {"error": {"message": "m", "type": "t"}} and out.endswith(b"data: [DONE]\n\n")
+        assert got[1]["choices"][0]["delta"]["content"] == '\u20ac "q"'
+    _, chunks, usage, done, failed = rewrite(sse.split_events(raw), None, False, "tiny", wants_usage)
+    assert (chunks, usage, done, failed) == (2, (5, 2), True, True)

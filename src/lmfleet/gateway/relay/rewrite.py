@@ -37,11 +37,13 @@ def take_usage(block: bytes, usage: tuple[int, int] | None,
 def rewrite(batch: list[bytes], usage: tuple[int, int] | None, done: bool, rename: str | None,
             wants_usage: bool) -> tuple[bytes, int, tuple[int, int] | None, bool, bool]:
     """The slow path, event by event: read usage (and drop it unless the client asked), put the client's model
-    name back (``rename``: that name; None: unchanged), notice errors. Returns (bytes to send, choice events,
+    name back (``rename``: that name; None: unchanged; a plain token event's as bytes, :func:`rename_model`),
+    notice errors. Returns (bytes to send, choice events,
     usage, done, failed)."""
     out = []
     chunks = 0
     failed = False
+    name = json.dumps(rename).encode() if rename is not None else b""
     for e in batch:
         if b'"usage":{' in e or b'"usage": {' in e:
             obj = sse.event_json(e)
@@ -52,8 +54,10 @@ def rewrite(batch: list[bytes], usage: tuple[int, int] | None, done: bool, renam
                 obj.pop("usage", None)
                 e = event_bytes(obj)
         if rename is not None and b'"model"' in e:
-            obj = sse.event_json(e)
-            if obj is not None:
+            fast = rename_model(e, name, drop_null_usage=not wants_usage)
+            if fast is not None:
+                e = fast
+            elif (obj := sse.event_json(e)) is not None:
                 obj["model"] = rename
                 if not wants_usage and "usage" in obj and obj["usage"] is None:  # sent because the gateway asked
                     del obj["usage"]
@@ -66,6 +70,64 @@ def rewrite(batch: list[bytes], usage: tuple[int, int] | None, done: bool, renam
             failed = True
         out.append(e)
     return b"".join(out), chunks, usage, done, failed
+
+
+_MODEL_KEYS = (b'"model":"', b'"model": "')
+_NULL_USAGE = (b'"usage":null', b'"usage": null')
+
+
+def rename_model(event: bytes, name: bytes, drop_null_usage: bool) -> bytes | None:
+    """``event`` with its top-level ``"model"`` set to ``name`` (a JSON string, quotes included), edited as bytes
+    (no JSON parse: a provider's every token event passes here); ``drop_null_usage``: a top-level ``"usage":null``
+    (the gateway asked for usage, the client did not) is removed too. Pure.
+
+    None where that cannot be done safely and the caller parses the event: not one plain ``data: {...}`` line;
+    the name not a plain string named once; a field found after a nested value, or a usage other than a null
+    seen at the top level. A field is known to be top-level when it is the object's last (a ``"usage":null``
+    before the closing brace) or when nothing before it opened or closed a nesting.
+    """
+    if not event.endswith(b"}\n\n") or event.count(b"\n") != 2 or event.count(b'"model"') != 1:
+        return None
+    start = 6 if event.startswith(b"data: {") else 5 if event.startswith(b"data:{") else -1
+    if start < 0:
+        return None
+    for key in _MODEL_KEYS:
+        if (i := event.find(key, start)) >= 0:
+            break
+    else:
+        return None
+    if not _top_level(event, start, i):
+        return None
+    value = i + len(key)
+    end = event.find(b'"', value)
+    if end < 0 or b"\\" in event[value:end]:
+        return None
+    out = event[:value - 1] + name + event[end + 1:]
+    if not drop_null_usage or b'"usage"' not in out:
+        return out
+    if out.count(b'"usage"') != 1:
+        return None
+    for null in _NULL_USAGE:
+        if (u := out.find(null, start)) >= 0:
+            break
+    else:
+        return None
+    after = u + len(null)
+    if out.startswith(b"}\n\n", after):  # the last field: its comma goes with it
+        cut = u - 1 if out[u - 1:u] == b"," else u - 2 if out[u - 2:u] == b", " else -1
+        return out[:cut] + out[after:] if cut >= 0 else None
+    if out.startswith(b",", after) and _top_level(out, start, u):  # a field before any nesting
+        after += 1
+        while out[after:after + 1] == b" ":
+            after += 1
+        return out[:u] + out[after:]
+    return None
+
+
+def _top_level(event: bytes, start: int, at: int) -> bool:
+    """Nothing between the object's opening brace (``start``) and ``at`` opened or closed a nesting."""
+    head = event[start:at]
+    return head.count(b"{") == 1 and b"}" not in head and b"[" not in head
 
 
 def find_usage(block: bytes, pos: int) -> int:

@@ -104,6 +104,10 @@ class RequestRun:
         self.prompt_tokens, self.t0, self.recorder = prompt.tokens, t0, recorder
         self.prompt_upper = prompt.upper
         self.exact_prompt, self._count_prompt = prompt.exact, prompt.count
+        counted = model.tokenizer is not None and prompt.exact is None and prompt.count is None
+        self.counted_prompt = prompt.tokens if counted else None
+        """The tokenizer's count of the prompt once known (None: not counted, or no tokenizer): an answer without
+        usage is then counted without tokenizing its prompt again."""
         self.deadline = t0 + model.app.cfg.deployment.request_timeout_s
         self.reason: Reason = plan.reason
         self.request_id = f"{_ID_PREFIX}{next(_ids):x}"
@@ -123,7 +127,7 @@ class RequestRun:
             usage, source = sse.usage_of(obj), PROVIDER
             if usage is None:  # never free: counted with the model's tokenizer
                 usage, source = await estimate(self.m.tokenizer, self.req.kind, self.req.body, answer_text(obj),
-                                               self.prompt_tokens), ESTIMATED
+                                               self.prompt_tokens, prompt_counted=self.counted_prompt), ESTIMATED
             if obj.get("model") != self.req.model:  # a provider's own model name never reaches the client
                 obj["model"] = self.req.model
                 raw = json.dumps(obj).encode()
@@ -160,7 +164,7 @@ class RequestRun:
             self.exact_prompt = asyncio.ensure_future(self._count_prompt())
         n = await self.exact_prompt
         if n is not None:
-            self.prompt_tokens = self.prompt_upper = n
+            self.prompt_tokens = self.prompt_upper = self.counted_prompt = n
         self._count_prompt = None
 
     async def stream(self) -> Response:
@@ -545,8 +549,10 @@ class RequestRun:
             if usage is None:  # never free: counted with the model's tokenizer
                 source = ESTIMATED
                 text = seen.text() if seen is not None else None
-                args = (self.m.tokenizer, self.req.kind, self.req.body, text, self.prompt_tokens, chunks)
-                # a client that left cancels the task: counted here and now, no await that could be cut short
+                args = (self.m.tokenizer, self.req.kind, self.req.body, text, self.prompt_tokens, chunks,
+                        self.counted_prompt)
+                # a client that left cancels the task: counted here and now, no await that could be cut short (a
+                # prompt counted for the context check is not tokenized again)
                 usage = count_usage(*args) if status == CANCELLED else await estimate(*args)
             in_tokens, out_tokens = usage
             if status == 200:

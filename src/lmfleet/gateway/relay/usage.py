@@ -119,11 +119,13 @@ def prompt_extra(body: dict[str, Any]) -> str:
 
 
 def count_usage(tok: Any | None, kind: str, body: dict[str, Any], text: str | None, prompt_guess: int,
-                chunks: int = 0) -> tuple[int, int]:
+                chunks: int = 0, prompt_counted: int | None = None) -> tuple[int, int]:
     """(prompt tokens, completion tokens) of an answer without usage: the prompt as sent (messages and tool
     definitions) and ``text`` (what was generated) counted with the model's tokenizer. Without one:
     ``prompt_guess`` and 4 characters a token (at least one token per streamed chunk). ``text`` None (not
-    kept): one token per streamed chunk, as a local engine streams."""
+    kept): one token per streamed chunk, as a local engine streams. ``prompt_counted``: the prompt's messages
+    (or completions prompt) already counted with this tokenizer
+    (:func:`~lmfleet.gateway.routing.tokens.count_prompt_tokens`), not tokenized again."""
     if text is None:
         completion = chunks
     elif tok is None:
@@ -134,17 +136,22 @@ def count_usage(tok: Any | None, kind: str, body: dict[str, Any], text: str | No
         return prompt_guess, completion
     if kind == "chat":
         messages = body.get("messages")
-        prompt = count_chat(tok, messages) if isinstance(messages, list) else prompt_guess
+        if prompt_counted is not None:
+            prompt = prompt_counted
+        else:
+            prompt = count_chat(tok, messages) if isinstance(messages, list) else prompt_guess
         prompt += count_text(tok, prompt_extra(body))
     else:
-        prompt = count_completion(tok, body.get("prompt"))
+        prompt = prompt_counted if prompt_counted is not None else count_completion(tok, body.get("prompt"))
     return prompt, completion
 
 
 async def estimate(tok: Any | None, kind: str, body: dict[str, Any], text: str | None, prompt_guess: int,
-                   chunks: int = 0) -> tuple[int, int]:
-    """:func:`count_usage`, in a worker thread when the prompt or the answer is long (off the event loop)."""
-    size = len(text or "") + len(json.dumps(body.get("messages") or body.get("prompt")))
+                   chunks: int = 0, prompt_counted: int | None = None) -> tuple[int, int]:
+    """:func:`count_usage`, in a worker thread when what is left to tokenize is long (off the event loop)."""
+    size = len(text or "")
+    if prompt_counted is None:
+        size += len(json.dumps(body.get("messages") or body.get("prompt")))
     if tok is not None and size > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(count_usage, tok, kind, body, text, prompt_guess, chunks)
-    return count_usage(tok, kind, body, text, prompt_guess, chunks)
+        return await asyncio.to_thread(count_usage, tok, kind, body, text, prompt_guess, chunks, prompt_counted)
+    return count_usage(tok, kind, body, text, prompt_guess, chunks, prompt_counted)
