@@ -52,6 +52,7 @@ from pathlib import Path
 
 import psutil
 
+from lmfleet.gateway.observe.metrics import SharedMetricsDir
 from lmfleet.net import free_port
 from lmfleet.testing.relay_load import cpu_s, http_json, make_gateway_app, pct
 
@@ -284,6 +285,7 @@ class Path_:
     name: str
     url: str
     procs: list[subprocess.Popen]  # what is charged as the hop's CPU
+    metrics: SharedMetricsDir | None = None  # gateway workers: their /metrics folder, as lmfleet serve makes it
 
 
 def _listens(pid: int, port: int) -> bool:
@@ -296,12 +298,14 @@ def _listens(pid: int, port: int) -> bool:
 def start_gateway(folder: Path, fake_url: str, n: int, max_model_len: int) -> Path_:
     port = free_port()
     cfg = write_fleet(folder, port, max_model_len)
+    metrics = SharedMetricsDir() if n > 1 else None
+    env = {**os.environ, **(metrics.env() if metrics else {})}
     procs = []
     for i in range(n):
         log = open(folder / f"gateway-{port}-{i}.log", "wb")
         procs.append(subprocess.Popen([sys.executable, __file__, "--serve-worker", str(cfg), "--fake-url", fake_url],
-                                      stdout=log, stderr=subprocess.STDOUT))
-    return Path_(f"gw{n}", f"http://127.0.0.1:{port}", procs)
+                                      stdout=log, stderr=subprocess.STDOUT, env=env))
+    return Path_(f"gw{n}", f"http://127.0.0.1:{port}", procs, metrics)
 
 
 def wait_ready(path: Path_, folder: Path, timeout_s: float = 180) -> None:
@@ -647,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
                             shutil.copy(raw, Path(args.json).with_suffix(".spy.raw"))
         finally:
             stop_all([p for path in paths.values() for p in path.procs])
+            for path in paths.values():
+                if path.metrics is not None:
+                    path.metrics.close()
     add_vs_direct(rows)
     print_table(rows, header)
     print("added TTFT / +gap99: the path's percentile of (TTFT - the fake's own TTFT) or of inter-token gaps, minus "
