@@ -54,7 +54,7 @@ import psutil
 
 from lmfleet.gateway.observe.metrics import SharedMetricsDir
 from lmfleet.net import free_port
-from lmfleet.testing.relay_load import cpu_s, http_json, make_gateway_app, pct
+from lmfleet.testing.relay_load import cpu_s, http_json, pct, serve_gateway_worker
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -258,26 +258,6 @@ def write_fleet(folder: Path, port: int, max_model_len: int) -> Path:
     path = folder / f"fleet-{port}.yaml"
     path.write_text(json.dumps(fleet, indent=2))  # JSON is YAML
     return path
-
-
-def serve_worker(config: str, fake_url: str) -> None:
-    """Child-process entry: one gateway worker on the shared port (as ``lmfleet serve`` runs one), until SIGTERM."""
-    from lmfleet.config import load_config
-    from lmfleet.serve.gateway_proc import GatewayServer, listen_socket, loop_factory, stop_event
-
-    fleet = load_config(config)
-    app = make_gateway_app(fleet, fake_url)
-
-    async def main() -> None:
-        stop = stop_event()
-        server = GatewayServer(app, fleet, listen_socket(fleet.gateway.host, fleet.gateway.port, reuse_port=True))
-        if not await server.start():
-            raise SystemExit(1)
-        await stop.wait()
-        await server.stop()
-
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(main())
 
 
 @dataclass
@@ -580,7 +560,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve_worker:
-        serve_worker(args.serve_worker, args.fake_url)
+        serve_gateway_worker(args.serve_worker, args.fake_url)
         return 0
     from lmfleet.models import resolve_source
     from lmfleet.testing.fast_openai_server import FastServer
