@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest, values
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
+from lmfleet.gateway.admin.dashboard import read_counters
 from lmfleet.gateway.observe.metrics import MULTIPROC_ENV, GatewayMetrics, SharedMetricsDir, multiproc_dir
 from lmfleet.net import free_port
 from lmfleet.overflow.engine_stats import ReplicaStats
@@ -113,6 +114,10 @@ def test_the_starting_process_writes_to_the_folder_it_owns_and_removes_it():
         page = _samples(m.exposition().decode())
         assert ("lmfleet_replica_requests_running", (("model", "m"), ("replica", "r1"))) not in page
         assert page[("lmfleet_replica_requests_running", (("model", "m"), ("replica", "r2")))] == 1
+        other = subprocess.run([sys.executable, "-c", PROCESS, "0", "1", "1", "0", "0", "0"], env=_env(shared),
+                               capture_output=True, text=True, timeout=120)
+        assert other.returncode == 0, other.stderr[-2000:]
+        assert read_counters(m)["m"].local == 3 + 1  # the dashboard's counts are the node's too
     finally:
         if shared is not None:
             shared.close()

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
@@ -223,6 +223,14 @@ class GatewayMetrics:
     def set_replicas(self, table: ReplicaTable) -> None:
         """Publish the latest per-replica engine figures; replicas gone since the last poll disappear."""
         self.replicas.table = table
+
+    def families(self, *metrics: Any) -> list[Metric | None]:
+        """The current family of each of ``metrics`` (of this object): this process's values, or the node's sums
+        when the processes share a folder (None: nothing recorded yet)."""
+        if self.multiproc_dir is None:
+            return [next(iter(m.collect()), None) for m in metrics]
+        merged = {f.name: f for f in self._page.collect()}
+        return [merged.get(m.describe()[0].name) for m in metrics]
 
     def exposition(self) -> bytes:
         """The /metrics page: this process's metrics, or the node's (every process's, summed) when this process
