@@ -21,7 +21,7 @@ from lmfleet.gateway.admin.dashboard import read_counters
 from lmfleet.gateway.observe.metrics import MULTIPROC_ENV, GatewayMetrics, SharedMetricsDir, multiproc_dir
 from lmfleet.net import free_port
 from lmfleet.overflow.engine_stats import ReplicaStats
-from lmfleet.serve.gateway_proc import shared_metrics, stop_workers
+from lmfleet.serve.gateway_proc import forget_ended_workers, shared_metrics, stop_workers
 from lmfleet.testing.fast_openai_server import FastServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,6 +89,29 @@ def test_each_gauge_combines_over_processes_as_its_mode_says():
     assert not Path(shared.path).exists()
 
 
+def test_a_worker_that_ended_stops_counting_in_live_gauges_only():
+    with SharedMetricsDir() as shared:
+        ended = subprocess.Popen([sys.executable, "-c", "pass"])
+        ended.wait()
+        running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            kinds = ("gauge_livesum", "gauge_livemin", "gauge_sum", "counter", "histogram")
+            for p in (ended, running):
+                for kind in kinds:
+                    (Path(shared.path) / f"{kind}_{p.pid}.db").touch()
+            forgotten: set[int] = set()
+            forget_ended_workers([ended, running], shared, forgotten)
+            assert forgotten == {ended.pid}
+            left = {f.name for f in Path(shared.path).iterdir()}
+            assert left == {f"{k}_{running.pid}.db" for k in kinds} | {
+                f"{k}_{ended.pid}.db" for k in ("gauge_sum", "counter", "histogram")}
+            forget_ended_workers([ended, running], shared, forgotten)  # once per worker
+            assert forgotten == {ended.pid}
+        finally:
+            running.kill()
+            running.wait()
+
+
 def test_a_single_process_keeps_in_process_metrics():
     assert shared_metrics(1) is None
     assert multiproc_dir() is None
@@ -122,7 +145,7 @@ def test_the_starting_process_writes_to_the_folder_it_owns_and_removes_it():
         if shared is not None:
             shared.close()
     assert not Path(shared.path).exists()
-    assert os.environ.get(MULTIPROC_ENV) == before and not values.ValueClass._multiprocess  # noqa: SLF001
+    assert os.environ.get(MULTIPROC_ENV) == before and values.ValueClass is values.MutexValue
     assert GatewayMetrics().multiproc_dir is None
 
 

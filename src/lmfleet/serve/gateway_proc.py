@@ -234,6 +234,25 @@ def stop_workers(procs: list[subprocess.Popen], grace_s: float = WORKER_STOP_S,
     return killed
 
 
+def forget_ended_workers(procs: list[subprocess.Popen], metrics: SharedMetricsDir, forgotten: set[int]) -> None:
+    """Drop the live gauges of workers that ended (crashed, killed) since the last call; ``forgotten``: their pids."""
+    for p in procs:
+        if p.pid not in forgotten and p.poll() is not None:
+            metrics.worker_gone(p.pid)
+            forgotten.add(p.pid)
+
+
+async def watch_workers(procs: list[subprocess.Popen], metrics: SharedMetricsDir | None,
+                        period_s: float = 5.0) -> None:
+    """Until cancelled: a worker that ends before shutdown stops counting in the node's live gauges."""
+    if metrics is None:
+        return
+    forgotten: set[int] = set()
+    while True:
+        forget_ended_workers(procs, metrics, forgotten)
+        await asyncio.sleep(period_s)
+
+
 def shared_metrics(workers: int) -> SharedMetricsDir | None:
     """The metrics folder of ``workers`` gateway processes, this one included: call it in the process that starts
     the others, before it builds its own gateway. None for a single process (in-process metrics: no files)."""
@@ -387,7 +406,9 @@ async def _gateway_main(fleet: FleetConfig, apps: list[Any], sock: socket.socket
                 progress(f"lmfleet: warning: gateway worker(s) {late} not up after {WORKER_START_S:.0f} s")
         progress(f"lmfleet: gateway ready at http://{host}:{port}/v1 (pid {os.getpid()}, {workers} worker "
                  f"process(es)) serving: {', '.join(a.name for a in apps)}")
+    watcher = asyncio.create_task(watch_workers(procs, metrics))
     await stop.wait()
+    watcher.cancel()
     if not worker:
         progress("lmfleet: gateway shutting down...")
     await server.stop()

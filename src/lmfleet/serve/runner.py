@@ -5,8 +5,10 @@ Lifecycle, in order::
     ray = connect_or_start()            # join --address / RAY_ADDRESS / cluster.address, else a local head
     apps = deploy(fleet)                # one Serve LLM application per model, started in parallel
     gateway listens at once (/health, /ready report progress); "ready" banner once every model runs
-    gateway.workers > 1: that many - 1 more gateway processes on the same port (lmfleet.serve.gateway_proc)
-    SIGINT/SIGTERM -> gateways drain (workers: SIGTERM, SIGKILL after 15 s) -> our Serve apps deleted
+    gateway.workers > 1: that many - 1 more gateway processes on the same port (lmfleet.serve.gateway_proc),
+                         all writing their metrics to one folder this process owns (/metrics sums them)
+    SIGINT/SIGTERM -> gateways drain (workers: SIGTERM, SIGKILL after 15 s) -> metrics folder removed
+                   -> our Serve apps deleted
                    -> Ray stopped if we started it
                    -> any process we started that is still alive is terminated, then killed
 
@@ -51,6 +53,7 @@ from lmfleet.serve.gateway_proc import (
     stop_event,
     stop_workers,
     wait_workers_listening,
+    watch_workers,
 )
 from lmfleet.serve.processes import ProcessReaper
 from lmfleet.serve.timing import Phases
@@ -196,6 +199,7 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({wait, stopper, server_task}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
+    watcher: asyncio.Task | None = None
     if wait in done:
         exc = wait.exception()
         if exc is not None and not isinstance(exc, KeyboardInterrupt):
@@ -217,6 +221,7 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
                                            address=ray.get_runtime_context().gcs_address, serve_url=serve_url,
                                            metrics=metrics))
                 late = await wait_workers_listening(procs, WORKER_START_S, registered_pids, stop.is_set)
+                watcher = asyncio.create_task(watch_workers(procs, metrics))
                 up = workers - len(late)
                 progress(f"lmfleet: {up} of {workers} gateway processes serve {url}"
                          + (f" (pids {late} not up after {WORKER_START_S:.0f} s)" if late else ""))
@@ -236,6 +241,8 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
                     p.send_signal(signal.SIGTERM)
     await server.stop()
     stopper.cancel()
+    if watcher is not None:
+        watcher.cancel()
     if not wait.done():
         stop.set()
         with contextlib.suppress(BaseException):

@@ -33,7 +33,7 @@ _PREPARE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1
 def multiproc_dir() -> str | None:
     """The folder this process writes its metrics to when they are summed over a node's gateway processes (set by
     :class:`SharedMetricsDir` or inherited from the process that started this one), else None."""
-    return os.environ.get(MULTIPROC_ENV) if values.ValueClass._multiprocess else None  # noqa: SLF001
+    return os.environ.get(MULTIPROC_ENV) if values.ValueClass is not values.MutexValue else None
 
 
 class SharedMetricsDir:
