@@ -52,8 +52,9 @@ from pathlib import Path
 
 import psutil
 
+from lmfleet.gateway.observe.metrics import SharedMetricsDir
 from lmfleet.net import free_port
-from lmfleet.testing.relay_load import cpu_s, http_json, make_gateway_app, pct
+from lmfleet.testing.relay_load import cpu_s, http_json, pct, serve_gateway_worker
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -259,31 +260,12 @@ def write_fleet(folder: Path, port: int, max_model_len: int) -> Path:
     return path
 
 
-def serve_worker(config: str, fake_url: str) -> None:
-    """Child-process entry: one gateway worker on the shared port (as ``lmfleet serve`` runs one), until SIGTERM."""
-    from lmfleet.config import load_config
-    from lmfleet.serve.gateway_proc import GatewayServer, listen_socket, loop_factory, stop_event
-
-    fleet = load_config(config)
-    app = make_gateway_app(fleet, fake_url)
-
-    async def main() -> None:
-        stop = stop_event()
-        server = GatewayServer(app, fleet, listen_socket(fleet.gateway.host, fleet.gateway.port, reuse_port=True))
-        if not await server.start():
-            raise SystemExit(1)
-        await stop.wait()
-        await server.stop()
-
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(main())
-
-
 @dataclass
 class Path_:
     name: str
     url: str
     procs: list[subprocess.Popen]  # what is charged as the hop's CPU
+    metrics: SharedMetricsDir | None = None  # gateway workers: their /metrics folder, as lmfleet serve makes it
 
 
 def _listens(pid: int, port: int) -> bool:
@@ -296,12 +278,14 @@ def _listens(pid: int, port: int) -> bool:
 def start_gateway(folder: Path, fake_url: str, n: int, max_model_len: int) -> Path_:
     port = free_port()
     cfg = write_fleet(folder, port, max_model_len)
+    metrics = SharedMetricsDir() if n > 1 else None
+    env = {**os.environ, **(metrics.env() if metrics else {})}
     procs = []
     for i in range(n):
         log = open(folder / f"gateway-{port}-{i}.log", "wb")
         procs.append(subprocess.Popen([sys.executable, __file__, "--serve-worker", str(cfg), "--fake-url", fake_url],
-                                      stdout=log, stderr=subprocess.STDOUT))
-    return Path_(f"gw{n}", f"http://127.0.0.1:{port}", procs)
+                                      stdout=log, stderr=subprocess.STDOUT, env=env))
+    return Path_(f"gw{n}", f"http://127.0.0.1:{port}", procs, metrics)
 
 
 def wait_ready(path: Path_, folder: Path, timeout_s: float = 180) -> None:
@@ -576,7 +560,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve_worker:
-        serve_worker(args.serve_worker, args.fake_url)
+        serve_gateway_worker(args.serve_worker, args.fake_url)
         return 0
     from lmfleet.models import resolve_source
     from lmfleet.testing.fast_openai_server import FastServer
@@ -647,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
                             shutil.copy(raw, Path(args.json).with_suffix(".spy.raw"))
         finally:
             stop_all([p for path in paths.values() for p in path.procs])
+            for path in paths.values():
+                if path.metrics is not None:
+                    path.metrics.close()
     add_vs_direct(rows)
     print_table(rows, header)
     print("added TTFT / +gap99: the path's percentile of (TTFT - the fake's own TTFT) or of inter-token gaps, minus "

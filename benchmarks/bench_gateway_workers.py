@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 
 from lmfleet.net import free_port
-from lmfleet.testing.relay_load import PhaseResult, cpu_s, http_json, make_gateway_app, pct, run_load
+from lmfleet.testing.relay_load import PhaseResult, cpu_s, http_json, pct, run_load, serve_gateway_worker
 
 
 def write_fleet(folder: Path, port: int) -> Path:
@@ -42,28 +42,6 @@ def write_fleet(folder: Path, port: int) -> Path:
     path = folder / f"fleet-{port}.yaml"
     path.write_text(json.dumps(fleet, indent=2))  # JSON is YAML
     return path
-
-
-def serve_worker(config: str, fake_url: str) -> None:
-    """Child-process entry: one gateway process on the shared port, until SIGTERM."""
-    import asyncio
-
-    from lmfleet.config import load_config
-    from lmfleet.serve.gateway_proc import GatewayServer, listen_socket, loop_factory, stop_event
-
-    fleet = load_config(config)
-    app = make_gateway_app(fleet, fake_url)
-
-    async def main() -> None:
-        stop = stop_event()
-        server = GatewayServer(app, fleet, listen_socket(fleet.gateway.host, fleet.gateway.port, reuse_port=True))
-        if not await server.start():
-            raise SystemExit(1)
-        await stop.wait()
-        await server.stop()
-
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(main())
 
 
 def start_workers(folder: Path, fake_url: str, n: int) -> tuple[str, list[subprocess.Popen]]:
@@ -134,7 +112,7 @@ def main() -> None:
     ap.add_argument("--fake-url", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_worker:
-        serve_worker(args.serve_worker, args.fake_url)
+        serve_gateway_worker(args.serve_worker, args.fake_url)
         return
     if args.smoke:
         args.workers, args.duration, args.rounds, args.concurrency = "1", 0.5, 1, 4

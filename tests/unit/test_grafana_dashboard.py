@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import Counter, Gauge, Histogram
 
-from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.gateway.observe.metrics import GatewayMetrics, ReplicaGauges
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "lmfleet.json"
 _SERIES = re.compile(r"\b((?:lmfleet|ray_vllm)_[A-Za-z0-9_]+)\b")
@@ -32,6 +32,9 @@ def gateway_series() -> set[str]:
     """Every series name the gateway's /metrics can carry, from the collectors of a real GatewayMetrics."""
     out = set()
     for c in GatewayMetrics().registry._collector_to_names:  # noqa: SLF001 - the registry's own collector list
+        if isinstance(c, ReplicaGauges):
+            out |= {f.name for f in c.describe()}
+            continue
         kind = "counter" if isinstance(c, Counter) else "histogram" if isinstance(c, Histogram) else \
             "gauge" if isinstance(c, Gauge) else None
         assert kind, f"unexpected collector {c!r}"

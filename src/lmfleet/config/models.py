@@ -502,7 +502,7 @@ class GatewayConfig(_Strict):
     )
     workers: int = Field(
         1, ge=1, le=64, description="Gateway processes sharing gateway.port on this node (SO_REUSEPORT), each with "
-        "its own event loop (each serves its own /metrics). 1 suits a 2-core node; about one per spare core beyond "
+        "its own event loop; /metrics sums them all. 1 suits a 2-core node; about one per spare core beyond "
         "that (docs/gateways.md)."
     )
     loop_stall_warn_ms: float = Field(

@@ -15,7 +15,12 @@ from lmfleet.gateway.routing.router import Router
 from lmfleet.gateway.observe.recorder import Recorder
 from lmfleet.gateway.observe.tracing import RequestTracer
 from lmfleet.gateway.relay.upstream import HttpPool
+from lmfleet.overflow.engine_stats import ReplicaTable
 from lmfleet.tenants import TenantDirectory
+
+GAUGE_PUBLISH_S = 1.0
+"""With several gateway processes, how often each writes the gauges read from its state (in flight, readiness,
+ledger backlog) for the node's /metrics: a scrape answered by another process reads them as of then."""
 
 
 @dataclass
@@ -63,6 +68,34 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self.peers.run()))
         if self.loopwatch is not None:
             self._tasks.append(asyncio.create_task(self.loopwatch.run()))
+        if self.metrics.multiproc_dir is not None:
+            self._tasks.append(asyncio.create_task(self._publish_forever()))
+
+    def served_replicas(self) -> ReplicaTable:
+        """The engine poller's latest per-replica figures, for the models this gateway serves."""
+        table = self.engine_stats.replicas if self.engine_stats is not None else {}
+        return {n: table[n] for n in self.models if n in table}
+
+    def publish_readiness(self) -> None:
+        for n, h in self.health.models.items():
+            self.metrics.model_ready.labels(n).set(1 if h.ready else 0)
+
+    def publish_gauges(self) -> None:
+        """Set the gauges that are read from this process's state to their values now."""
+        metrics = self.metrics
+        self.publish_readiness()
+        for n, m in self.models.items():
+            metrics.in_flight.labels(n, m.local.label).set(m.local.tracker.in_flight)
+        for p in self.providers.values():
+            for n in p.cfg.model_map:
+                metrics.in_flight.labels(n, p.label).set(p.in_flight)
+        metrics.set_replicas(self.served_replicas())
+        self.recorder.status()  # the ledger writer's backlog gauges
+
+    async def _publish_forever(self) -> None:
+        while True:
+            self.publish_gauges()
+            await asyncio.sleep(GAUGE_PUBLISH_S)
 
     async def close(self) -> None:
         for t in self._tasks:

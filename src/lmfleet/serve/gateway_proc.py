@@ -3,8 +3,9 @@ on one port, and ``lmfleet gateway`` itself (a gateway for a fleet another proce
 
 Several workers on one node listen on the same address with ``SO_REUSEPORT``: the kernel spreads new connections
 over them, each worker has its own event loop, and they share the ledger file (``ledger.path``) and their queue
-view (:mod:`lmfleet.gateway.routing.peers`); metrics (/metrics), breakers and cost meters are each process's own
-(docs/gateways.md). A worker is the same program as
+view (:mod:`lmfleet.gateway.routing.peers`); /metrics, whichever process answers, sums every process's metrics
+(the first process owns their shared folder, :class:`~lmfleet.gateway.observe.metrics.SharedMetricsDir`);
+breakers and cost meters are each process's own (docs/gateways.md). A worker is the same program as
 ``lmfleet gateway``, started by the first process with ``--workers 1 --reuse-port``; it ends when its parent does
 (``PR_SET_PDEATHSIG``), and the parent stops it on shutdown (SIGTERM, then SIGKILL after the grace period).
 """
@@ -31,6 +32,7 @@ from lmfleet.engine.app import gateway_model_apps
 from lmfleet.gateway import build_gateway
 from lmfleet.gateway.front.access import GatewayConfigError
 from lmfleet.gateway.build import check_ledger, preflight
+from lmfleet.gateway.observe.metrics import SharedMetricsDir
 from lmfleet.gateway.routing.health import serve_status_fetcher
 from lmfleet.gateway.routing.peers import PeerBoard, list_gateways, node_address
 from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
@@ -178,10 +180,11 @@ def worker_command(config_path: Path | None, *, host: str, port: int, address: s
 
 
 def spawn_workers(n: int, config_path: Path | None, *, host: str, port: int, address: str,
-                  serve_url: str) -> list[subprocess.Popen]:
-    """Start ``n`` worker gateways on host:port (they share it with this process through SO_REUSEPORT)."""
+                  serve_url: str, metrics: SharedMetricsDir | None) -> list[subprocess.Popen]:
+    """Start ``n`` worker gateways on host:port (they share it with this process through SO_REUSEPORT) that write
+    their metrics to ``metrics``."""
     cmd = worker_command(config_path, host=host, port=port, address=address, serve_url=serve_url)
-    env = {**os.environ, "RAY_ADDRESS": address}
+    env = {**os.environ, "RAY_ADDRESS": address, **(metrics.env() if metrics is not None else {})}
     hook = _die_with_parent_hook()
     return [subprocess.Popen(cmd, env=env, preexec_fn=hook, stdin=subprocess.DEVNULL) for _ in range(n)]
 
@@ -209,8 +212,10 @@ def registered_pids() -> set[int]:
     return {int(g.get("pid", -1)) for g in answer["gateways"] if g.get("node") == node}
 
 
-def stop_workers(procs: list[subprocess.Popen], grace_s: float = WORKER_STOP_S) -> int:
-    """SIGTERM every worker, wait for them to drain, SIGKILL what is left. Returns how many had to be killed."""
+def stop_workers(procs: list[subprocess.Popen], grace_s: float = WORKER_STOP_S,
+                 metrics: SharedMetricsDir | None = None) -> int:
+    """SIGTERM every worker, wait for them to drain, SIGKILL what is left, and drop their live gauges from
+    ``metrics``. Returns how many had to be killed."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -224,7 +229,38 @@ def stop_workers(procs: list[subprocess.Popen], grace_s: float = WORKER_STOP_S) 
             p.kill()
             p.wait()
             killed += 1
+        if metrics is not None:
+            metrics.worker_gone(p.pid)
     return killed
+
+
+def forget_ended_workers(procs: list[subprocess.Popen], metrics: SharedMetricsDir, forgotten: set[int]) -> None:
+    """Drop the live gauges of workers that ended (crashed, killed) since the last call; ``forgotten``: their pids."""
+    for p in procs:
+        if p.pid not in forgotten and p.poll() is not None:
+            metrics.worker_gone(p.pid)
+            forgotten.add(p.pid)
+
+
+async def watch_workers(procs: list[subprocess.Popen], metrics: SharedMetricsDir | None,
+                        period_s: float = 5.0) -> None:
+    """Until cancelled: a worker that ends before shutdown stops counting in the node's live gauges."""
+    if metrics is None:
+        return
+    forgotten: set[int] = set()
+    while True:
+        forget_ended_workers(procs, metrics, forgotten)
+        await asyncio.sleep(period_s)
+
+
+def shared_metrics(workers: int) -> SharedMetricsDir | None:
+    """The metrics folder of ``workers`` gateway processes, this one included: call it in the process that starts
+    the others, before it builds its own gateway. None for a single process (in-process metrics: no files)."""
+    if workers <= 1:
+        return None
+    metrics = SharedMetricsDir()
+    metrics.use_here()
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,6 +322,7 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     procs: list[subprocess.Popen] = []
     reuse_port = reuse_port or workers > 1
+    metrics: SharedMetricsDir | None = None
     try:
         preflight(fleet, host)
         check_ledger(fleet)
@@ -305,10 +342,12 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
         url = serve_url or default_serve_url(fleet.gateway.serve_port, hp[0] if hp else None, local_addresses())
         if not worker:
             progress(f"lmfleet: gateway: joined the Ray cluster at {gcs}; models through Serve at {url}")
+            metrics = shared_metrics(workers)  # after Ray is joined: no Ray process inherits the folder
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             return runner.run(_gateway_main(fleet, apps, sock, config_path=config_path, host=host, port=port,
                                             gcs=gcs, serve_url=url, workers=workers, worker=worker,
-                                            wait_timeout_s=wait_timeout_s, progress=progress, procs=procs))
+                                            wait_timeout_s=wait_timeout_s, progress=progress, procs=procs,
+                                            metrics=metrics))
     except KeyboardInterrupt:
         return 130
     except GatewayConfigError as e:
@@ -324,7 +363,9 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if procs:
-            stop_workers(procs)
+            stop_workers(procs, metrics=metrics)
+        if metrics is not None:
+            metrics.close()
         with contextlib.suppress(Exception):
             import ray
 
@@ -336,7 +377,7 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
 async def _gateway_main(fleet: FleetConfig, apps: list[Any], sock: socket.socket, *, config_path: Path | None,
                         host: str, port: int, gcs: str, serve_url: str, workers: int, worker: bool,
                         wait_timeout_s: float, progress: Callable[[str], None],
-                        procs: list[subprocess.Popen]) -> int:
+                        procs: list[subprocess.Popen], metrics: SharedMetricsDir | None) -> int:
     stop = stop_event()
     waiting = asyncio.create_task(asyncio.to_thread(
         wait_until_running, {a.name: a.app_name for a in apps}, wait_timeout_s,
@@ -359,13 +400,15 @@ async def _gateway_main(fleet: FleetConfig, apps: list[Any], sock: socket.socket
     if not worker:
         if workers > 1:
             procs.extend(spawn_workers(workers - 1, config_path, host=host, port=port, address=gcs,
-                                       serve_url=serve_url))
+                                       serve_url=serve_url, metrics=metrics))
             late = await wait_workers_listening(procs, WORKER_START_S, registered_pids)
             if late:
                 progress(f"lmfleet: warning: gateway worker(s) {late} not up after {WORKER_START_S:.0f} s")
         progress(f"lmfleet: gateway ready at http://{host}:{port}/v1 (pid {os.getpid()}, {workers} worker "
                  f"process(es)) serving: {', '.join(a.name for a in apps)}")
+    watcher = asyncio.create_task(watch_workers(procs, metrics))
     await stop.wait()
+    watcher.cancel()
     if not worker:
         progress("lmfleet: gateway shutting down...")
     await server.stop()

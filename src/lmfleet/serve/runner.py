@@ -5,8 +5,10 @@ Lifecycle, in order::
     ray = connect_or_start()            # join --address / RAY_ADDRESS / cluster.address, else a local head
     apps = deploy(fleet)                # one Serve LLM application per model, started in parallel
     gateway listens at once (/health, /ready report progress); "ready" banner once every model runs
-    gateway.workers > 1: that many - 1 more gateway processes on the same port (lmfleet.serve.gateway_proc)
-    SIGINT/SIGTERM -> gateways drain (workers: SIGTERM, SIGKILL after 15 s) -> our Serve apps deleted
+    gateway.workers > 1: that many - 1 more gateway processes on the same port (lmfleet.serve.gateway_proc),
+                         all writing their metrics to one folder this process owns (/metrics sums them)
+    SIGINT/SIGTERM -> gateways drain (workers: SIGTERM, SIGKILL after 15 s) -> metrics folder removed
+                   -> our Serve apps deleted
                    -> Ray stopped if we started it
                    -> any process we started that is still alive is terminated, then killed
 
@@ -34,6 +36,7 @@ from lmfleet.engine.app import bind_app, build_model_apps
 from lmfleet.gateway import build_gateway
 from lmfleet.gateway.front.access import GatewayConfigError
 from lmfleet.gateway.build import check_ledger, preflight
+from lmfleet.gateway.observe.metrics import SharedMetricsDir
 from lmfleet.gateway.routing.health import serve_status_fetcher
 from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
 from lmfleet.store import StoreUnavailable
@@ -45,10 +48,12 @@ from lmfleet.serve.gateway_proc import (
     listen_socket,
     loop_factory,
     registered_pids,
+    shared_metrics,
     spawn_workers,
     stop_event,
     stop_workers,
     wait_workers_listening,
+    watch_workers,
 )
 from lmfleet.serve.processes import ProcessReaper
 from lmfleet.serve.timing import Phases
@@ -169,7 +174,7 @@ def deploy(apps: list[Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progress: Callable[[str], None],
                deploy_timeout_s: float, workers: int, config_path: Path | None,
-               procs: list[subprocess.Popen], phases: Phases) -> int:
+               procs: list[subprocess.Popen], phases: Phases, metrics: SharedMetricsDir | None) -> int:
     stop = stop_event()
     serve_url = f"http://127.0.0.1:{fleet.gateway.serve_port}"
     app = build_gateway(fleet, apps, serve_url=serve_url, host=host,
@@ -194,6 +199,7 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({wait, stopper, server_task}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
+    watcher: asyncio.Task | None = None
     if wait in done:
         exc = wait.exception()
         if exc is not None and not isinstance(exc, KeyboardInterrupt):
@@ -212,8 +218,10 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
                 import ray
 
                 procs.extend(spawn_workers(workers - 1, config_path, host=host, port=port,
-                                           address=ray.get_runtime_context().gcs_address, serve_url=serve_url))
+                                           address=ray.get_runtime_context().gcs_address, serve_url=serve_url,
+                                           metrics=metrics))
                 late = await wait_workers_listening(procs, WORKER_START_S, registered_pids, stop.is_set)
+                watcher = asyncio.create_task(watch_workers(procs, metrics))
                 up = workers - len(late)
                 progress(f"lmfleet: {up} of {workers} gateway processes serve {url}"
                          + (f" (pids {late} not up after {WORKER_START_S:.0f} s)" if late else ""))
@@ -233,6 +241,8 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
                     p.send_signal(signal.SIGTERM)
     await server.stop()
     stopper.cancel()
+    if watcher is not None:
+        watcher.cancel()
     if not wait.done():
         stop.set()
         with contextlib.suppress(BaseException):
@@ -262,6 +272,7 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
     phases = phases or Phases()
     config_path = config_path.resolve() if config_path else None  # workers and the hint below: any cwd
     procs: list[subprocess.Popen] = []
+    metrics: SharedMetricsDir | None = None
     reaper = ProcessReaper()
     started_ray = False
     apps: list[Any] = []
@@ -293,9 +304,10 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
         phases.add("Serve", time.monotonic() - serve_from)
         check_serve_proxy(fleet, local_head=started_ray)
         reaper.snapshot()
+        metrics = shared_metrics(workers)  # after Ray and Serve started: none of their processes inherits it
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             code = runner.run(_run(fleet, apps, host, port, progress, deploy_timeout_s, workers, config_path, procs,
-                                   phases))
+                                   phases, metrics))
     except KeyboardInterrupt:
         progress("lmfleet: interrupted")
         code = 130
@@ -312,9 +324,11 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup must finish
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if procs:
-            n = stop_workers(procs)
+            n = stop_workers(procs, metrics=metrics)
             if n:
                 progress(f"lmfleet: killed {n} gateway worker(s) that did not stop in time")
+        if metrics is not None:
+            metrics.close()
         reaper.snapshot()
         _teardown(apps, started_ray, progress)
         n = reaper.reap()

@@ -32,6 +32,28 @@ def make_gateway_app(fleet, fake_url: str):
                          fetch_engine_metrics=None)
 
 
+def serve_gateway_worker(config: str, fake_url: str) -> None:
+    """A process's entry: one gateway process on the fleet file's port shared with others (``SO_REUSEPORT``, as
+    ``lmfleet serve``'s workers), its model served by ``fake_url``, until SIGTERM. Its metrics go to the folder
+    of ``PROMETHEUS_MULTIPROC_DIR`` when its environment names one (a :class:`SharedMetricsDir`'s ``env()``)."""
+    from lmfleet.config import load_config
+    from lmfleet.serve.gateway_proc import GatewayServer, listen_socket, loop_factory, stop_event
+
+    fleet = load_config(config)
+    app = make_gateway_app(fleet, fake_url)
+
+    async def main() -> None:
+        stop = stop_event()
+        server = GatewayServer(app, fleet, listen_socket(fleet.gateway.host, fleet.gateway.port, reuse_port=True))
+        if not await server.start():
+            raise SystemExit(1)
+        await stop.wait()
+        await server.stop()
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(main())
+
+
 class StreamConn(asyncio.Protocol):
     """One keep-alive connection; ``request`` sends a request and returns (status, ttft_s, events, choices)."""
 

@@ -141,7 +141,8 @@ class Reading:
 
 
 def read_counters(metrics: GatewayMetrics) -> dict[str, Counters]:
-    """Per model, the cumulative counters of ``metrics`` (one pass over each metric's samples)."""
+    """Per model, the cumulative counters of ``metrics`` (the node's, with several gateway processes; one pass over
+    each metric's samples)."""
     acc: dict[str, dict[str, Any]] = {}
 
     def slot(model: str) -> dict[str, Any]:
@@ -151,19 +152,21 @@ def read_counters(metrics: GatewayMetrics) -> dict[str, Counters]:
                               "external_cost_usd": 0.0, "local_cost_usd": 0.0, "ttft": {}}
         return a
 
-    for s in _samples(metrics.requests, "_total"):
+    requests, errors, tokens, cost, ttft = metrics.families(metrics.requests, metrics.errors, metrics.tokens,
+                                                            metrics.cost, metrics.ttft)
+    for s in _samples(requests, "_total"):
         a, by = slot(s.labels["model"]), s.labels["served_by"]
         a["gateway" if by == "none" else "external" if is_external(by) else "local"] += s.value
-    for s in _samples(metrics.errors, "_total"):
+    for s in _samples(errors, "_total"):
         errs = slot(s.labels["model"])["errors"]
         errs[s.labels["code"]] = errs.get(s.labels["code"], 0.0) + s.value
-    for s in _samples(metrics.tokens, "_total"):
+    for s in _samples(tokens, "_total"):
         if s.labels["kind"] == "output":
             slot(s.labels["model"])["output_tokens"] += s.value
-    for s in _samples(metrics.cost, "_total"):
+    for s in _samples(cost, "_total"):
         key = "external_cost_usd" if is_external(s.labels["served_by"]) else "local_cost_usd"
         slot(s.labels["model"])[key] += s.value
-    for s in _samples(metrics.ttft, "_bucket"):
+    for s in _samples(ttft, "_bucket"):
         b = slot(s.labels["model"])["ttft"]
         le = float(s.labels["le"])
         b[le] = b.get(le, 0.0) + s.value
@@ -173,11 +176,10 @@ def read_counters(metrics: GatewayMetrics) -> dict[str, Counters]:
             for m, a in acc.items()}
 
 
-def _samples(metric: Any, suffix: str) -> Iterable[Any]:
-    for family in metric.collect():
-        for s in family.samples:
-            if s.name.endswith(suffix):
-                yield s
+def _samples(family: Any, suffix: str) -> Iterable[Any]:
+    for s in family.samples if family is not None else ():
+        if s.name.endswith(suffix):
+            yield s
 
 
 def read_gateway(gw: Gateway, budget: BudgetStatus | None, now: float | None = None) -> Reading:

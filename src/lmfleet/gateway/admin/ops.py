@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
 from lmfleet.gateway.admin.dashboard import dashboard_routes
@@ -15,15 +15,9 @@ from lmfleet.gateway.service import Gateway
 from lmfleet.overflow.engine_stats import ReplicaStats, imbalance
 
 
-def served_replicas(gw: Gateway) -> dict[str, dict[str, ReplicaStats]]:
-    """The engine poller's latest per-replica figures, for the models this gateway serves."""
-    table = gw.engine_stats.replicas if gw.engine_stats is not None else {}
-    return {n: table[n] for n in gw.models if n in table}
-
-
 def routing_state(gw: Gateway, name: str, router: str) -> dict[str, Any]:
     """How requests spread over the model's replicas (docs/routing.md); figures as old as the last poll."""
-    replicas = served_replicas(gw).get(name, {})
+    replicas = gw.served_replicas().get(name, {})
     total = sum(replicas.values(), ReplicaStats())
     rate = total.prefix_cache_hit_rate
     return {"request_router": router, "load_imbalance": imbalance(replicas),
@@ -35,11 +29,7 @@ def ops_routes(gw: Gateway) -> APIRouter:
     """/health and a bare /ready (``{"ready": bool}`` + 200/503) are open; /ready's per-model detail (engine
     error texts) needs a key whenever keys are configured; /metrics is guarded in the auth middleware."""
     r = APIRouter()
-    health, metrics = gw.health, gw.metrics
-
-    def _publish_readiness() -> None:
-        for n, h in health.models.items():
-            metrics.model_ready.labels(n).set(1 if h.ready else 0)
+    health = gw.health
 
     @r.get("/health")
     async def liveness() -> dict[str, str]:
@@ -47,7 +37,7 @@ def ops_routes(gw: Gateway) -> APIRouter:
 
     @r.get("/ready")
     async def ready(request: Request) -> JSONResponse:
-        _publish_readiness()
+        gw.publish_readiness()
         ok = health.all_ready()
         guard = gw.router.guard
         if guard is not None:
@@ -74,15 +64,8 @@ def ops_routes(gw: Gateway) -> APIRouter:
 
     @r.get("/metrics")
     async def prometheus() -> Response:
-        _publish_readiness()
-        for n, m in gw.models.items():
-            metrics.in_flight.labels(n, m.local.label).set(m.local.tracker.in_flight)
-        for p in gw.providers.values():
-            for n in p.cfg.model_map:
-                metrics.in_flight.labels(n, p.label).set(p.in_flight)
-        metrics.set_replicas(served_replicas(gw))
-        gw.recorder.status()  # the ledger writer's backlog gauges
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        gw.publish_gauges()
+        return Response(gw.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     r.include_router(dashboard_routes())  # /dashboard (the page)
     return r
