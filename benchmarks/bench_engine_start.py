@@ -109,7 +109,7 @@ def one_start(variant: str, model_dir: str, cache: Path, work: Path, synth, args
         wait_health(f"http://127.0.0.1:{port}/health", proc, log, args.start_timeout)
         out = {"variant": variant, "ready_s": round(time.monotonic() - t0, 1),
                "load_avg_1m": round(os.getloadavg()[0], 1)}
-        target = Target(f"http://127.0.0.1:{port}/v1", "m")
+        target = Target(f"http://127.0.0.1:{port}", "m")
         mix = parse_mix_inline(f"x:1:{args.input_len}:{args.output_len}:completion")
         mix = type(mix)(tuple(type(c)(c.name, c.weight, c.input_tokens, c.output_tokens, c.api, True)
                               for c in mix.classes), mix.seed)
