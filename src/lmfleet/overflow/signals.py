@@ -20,13 +20,18 @@ How the figures are measured
   the *busy* time in that window (time with at least one local request in flight). Dividing by
   busy time, not wall time, keeps an idle spell from making the engine look slow; while the
   engine is saturated (the only time the rate matters, see the estimator) busy time is wall time.
-  With fewer than ``min_completions`` completions in the window the rate is unknown (``None``).
+  With fewer than ``min_completions`` completions in the window the rate is unknown (``None``); the last rate
+  measured is kept beside it (``last_drain_rps``, not time-limited): on a slow engine a window can hold too few
+  completions while it is busy, and the last measured rate is a better guess than the cold default.
 * **Recent TTFT**: median of the most recent ``ttft_samples`` (256) TTFT samples of the trailing
   window -- of all of them while the window holds no more than that.
 * **Base TTFT** (prefill time without queueing): median of the last ``base_samples`` TTFTs of
   requests that found a free slot when they started (their position, in-flight count including
   themselves and the other gateways' last reported in-flight, was <= ``capacity``). It is not time-limited: under sustained overload no new
   unqueued samples arrive, and the last ones known are the best guess.
+* **First-token model**: the same unqueued requests' TTFT fitted against their prompt length and the requests
+  already in flight when they started (:mod:`lmfleet.overflow.first_token`), over the last ``first_token_samples``
+  (64) of them, not time-limited either; refitted from running sums when a sample arrives (O(1)).
 * **Engine stats** (optional): vLLM's ``num_requests_running`` / ``num_requests_waiting`` as last
   set by :meth:`LoadTracker.set_engine_stats`; reported only while younger than ``engine_stats_ttl_s``.
 * **Other gateways** (optional, several gateway processes or nodes): their in-flight requests to
@@ -62,6 +67,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lmfleet.overflow.first_token import FirstTokenModel, FirstTokenSample, Moments, fit_first_token
+
 __all__ = ["LoadTracker", "QueueSignals", "Ticket"]
 
 
@@ -83,6 +90,11 @@ class QueueSignals:
     completions_in_window: int
     engine_running: int | None = None
     engine_waiting: int | None = None
+    last_drain_rps: float | None = None
+    """The drain rate last measured (``drain_rps`` of an earlier window, the other gateways' added), whatever its
+    age; None before any. The estimate falls back to it while ``drain_rps`` is unknown."""
+    first_token: FirstTokenModel | None = None
+    """TTFT of a request that does not queue, by prompt length and requests in flight (None: too few samples)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +154,7 @@ class LoadTracker:
         min_completions: int = 3,
         base_samples: int = 32,
         ttft_samples: int = 256,
+        first_token_samples: int = 64,
         engine_stats_ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -161,6 +174,12 @@ class LoadTracker:
         self._completion_tokens = 0  # sum of output_tokens over self._completions
         self._ttfts = _RecentMedian(ttft_samples)
         self._base_ttfts = _RecentMedian(base_samples)
+        self._first_token_samples: deque[FirstTokenSample] = deque()
+        self._first_token_max = max(1, first_token_samples)
+        self._first_token_moments = Moments()
+        self._first_token_adds = 0  # since the sums were last recomputed from the samples
+        self._first_token: FirstTokenModel | None = None
+        self._last_drain: float | None = None  # own drain rate last measured
         self._busy: deque[tuple[float, float]] = deque()  # closed (start, end) spells with a request in flight
         self._busy_closed_s = 0.0  # sum of end - start over self._busy
         self._busy_since: float | None = None  # start of the open spell, while a request is in flight
@@ -188,6 +207,7 @@ class LoadTracker:
         self._ttfts.add(t, ttft)
         if ticket.position <= self.capacity:
             self._base_ttfts.add(t, ttft)
+            self._add_first_token(FirstTokenSample(ticket.prompt_tokens, ticket.position - 1, ttft))
         return ttft
 
     def on_finish(self, ticket: Ticket, output_tokens: int = 0, ok: bool = True, now: float | None = None) -> None:
@@ -231,6 +251,8 @@ class LoadTracker:
         if n >= self.min_completions and busy > 0:
             drain = n / busy
             tps = self._completion_tokens / busy
+            self._last_drain = drain
+        last_drain = self._last_drain
         running = waiting = None
         if self._engine is not None and t - self._engine[0] <= self.engine_stats_ttl_s:
             _, running, waiting = self._engine
@@ -240,6 +262,7 @@ class LoadTracker:
             in_flight += peer_in_flight
             if peer_drain > 0:  # the engines drain everyone's requests: the drain rate is the sum
                 drain = (drain or 0.0) + peer_drain
+                last_drain = (last_drain or 0.0) + peer_drain
         return QueueSignals(
             now=t,
             in_flight=in_flight,
@@ -250,9 +273,24 @@ class LoadTracker:
             completions_in_window=n,
             engine_running=running,
             engine_waiting=waiting,
+            last_drain_rps=last_drain,
+            first_token=self._first_token,
         )
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _add_first_token(self, sample: FirstTokenSample) -> None:
+        samples, m = self._first_token_samples, self._first_token_moments
+        if len(samples) >= self._first_token_max:
+            m = m.add(samples.popleft(), -1)
+        samples.append(sample)
+        self._first_token_adds += 1
+        if self._first_token_adds >= self._first_token_max:  # sums from scratch now and then: no rounding drift
+            m, self._first_token_adds = Moments.of(samples), 0
+        else:
+            m = m.add(sample)
+        self._first_token_moments = m
+        self._first_token = fit_first_token(m)
 
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else now
