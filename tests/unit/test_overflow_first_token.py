@@ -1,5 +1,5 @@
-"""The first-token model: least squares on prompt length and requests in flight, with its guards; and what it does
-to the estimate on an engine whose TTFT grows with both (a simulated FIFO server)."""
+"""The first-token model: least squares on the tokens to prefill and the requests decoding, with its guards; and
+what it does to the estimate on an engine whose TTFT grows with both (a simulated FIFO server)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_tracker_fits_unqueued_requests_and_keeps_the_last_drain_rate():
     t = 0.0
     for i in range(12):  # alone, or beside one or two others, prompts of three lengths
         beside = i % 3
-        others = [tr.on_start(100, now=t) for _ in range(beside)]
+        others = [tr.on_start(100, now=t, streamed=False) for _ in range(beside)]  # decoding, as far as it knows
         p = (50, 500, 2000)[i // 4 % 3]
         tk = tr.on_start(p, now=t)
         tr.on_first_token(tk, now=t + 0.1 + 0.001 * p + 0.2 * beside)
@@ -109,7 +109,7 @@ def test_tracker_fits_unqueued_requests_and_keeps_the_last_drain_rate():
         t += 6.0
     s = tr.snapshot(now=t)
     assert s.first_token is not None
-    assert s.first_token.per_running_s == pytest.approx(0.2) and s.first_token.per_prompt_token_s == pytest.approx(0.001)
+    assert s.first_token.per_decoding_s == pytest.approx(0.2) and s.first_token.per_prefill_token_s == pytest.approx(0.001)
     assert s.drain_rps is not None and s.last_drain_rps == s.drain_rps
     later = tr.snapshot(now=t + 100.0)  # the window empties: the rate is unknown, the last one stays
     assert later.drain_rps is None and later.last_drain_rps == pytest.approx(s.drain_rps)
@@ -118,9 +118,9 @@ def test_tracker_fits_unqueued_requests_and_keeps_the_last_drain_rate():
 
 def _simulate(with_model: bool, seed: int = 7, capacity: int = 8, duration_s: float = 900.0,
               threshold_ms: float | None = None):
-    """A FIFO engine of ``capacity`` slots whose TTFT (once a request has its slot) grows with the prompt and the
-    requests beside it, as a CPU vLLM engine's does; bursty arrivals (quiet and overloaded phases), 20 % long
-    prompts. Returns (predicted, actual) wait pairs after a warm-up, the estimate from a LoadTracker fed what the
+    """A FIFO engine of ``capacity`` slots that prefills one prompt at a time, first come first served, each
+    prefill slower the more sequences are decoding beside it (a CPU vLLM engine, roughly); bursty arrivals
+    (quiet, moderate and overloaded phases), 20 % long prompts. Returns (predicted, actual) wait pairs after a warm-up, the estimate from a LoadTracker fed what the
     gateway would see; ``with_model`` False: the estimate as before the first-token model and the kept drain rate
     (one median unqueued TTFT, the cold drain rate while the window has too few completions). ``threshold_ms``:
     requests predicted to wait longer are sent elsewhere (the predictive policy), the rest kept local."""
@@ -139,16 +139,16 @@ def _simulate(with_model: bool, seed: int = 7, capacity: int = 8, duration_s: fl
         rate = (0.4, 1.2, 2.6)[int(phase)]
         t += rng.expovariate(rate)
         push(t, "arrive", None)
-    running, waiting, pairs = 0, [], []
+    running, decoding, prefill_free, waiting, pairs = 0, 0, 0.0, [], []
 
     def begin(now, req):
-        nonlocal running
-        beside = running
+        nonlocal running, prefill_free
         running += 1
-        p = req["prompt"]
-        ttft = (0.05 + 0.0006 * p + 0.12 * beside) * rng.lognormvariate(0, 0.15)
-        push(now + ttft, "first", req)
-        push(now + ttft + rng.uniform(2.0, 5.0), "finish", req)
+        start = max(now, prefill_free)  # behind the prompts still prefilling
+        first = start + (0.05 + 0.0006 * req["prompt"]) * (1 + 0.15 * decoding) * rng.lognormvariate(0, 0.15)
+        prefill_free = first
+        push(first, "first", req)
+        push(first + rng.uniform(2.0, 5.0), "finish", req)
 
     while events:
         now, _, kind, req = heapq.heappop(events)
@@ -166,12 +166,14 @@ def _simulate(with_model: bool, seed: int = 7, capacity: int = 8, duration_s: fl
             else:
                 waiting.append(req)
         elif kind == "first":
+            decoding += 1
             tracker.on_first_token(req["ticket"], now=now)
             if req["arrived"] > 60.0:
                 pairs.append((req["est"], (now - req["arrived"]) * 1000.0))
         else:
             tracker.on_finish(req["ticket"], 50, now=now)
             running -= 1
+            decoding -= 1
             if waiting:
                 begin(now, waiting.pop(0))
     return pairs
@@ -180,11 +182,38 @@ def _simulate(with_model: bool, seed: int = 7, capacity: int = 8, duration_s: fl
 @pytest.mark.parametrize("seed", [7, 8])
 def test_the_model_halves_the_estimate_error_on_a_load_dependent_engine(seed):
     """Under the predictive policy (threshold 2.5 s): the requests kept local, predicted against realised wait.
-    One median unqueued TTFT for every request: P90 |error| ~1.1-1.2 s (45-50 % of the threshold); the model:
-    ~0.6 s (~25 %)."""
+    One median unqueued TTFT for every request underestimates under load (median actual/predicted 1.3-1.6, as on
+    the real CPU fleet) with a P90 |error| of 3.2-3.7 s; the model: unbiased, P90 1.1-1.3 s, mostly the noise of
+    the simulated prefill and decode times."""
     before = estimate_error("m", _simulate(False, seed=seed, threshold_ms=2500.0))
     after = estimate_error("m", _simulate(True, seed=seed, threshold_ms=2500.0))
-    assert after.p90_abs_error_ms < 0.6 * before.p90_abs_error_ms, (before, after)
-    assert after.median_abs_error_ms < 0.5 * before.median_abs_error_ms, (before, after)
-    assert after.p90_share_of(2500.0) < 0.3, after
-    assert after.median_ratio == pytest.approx(1.0, abs=0.1), after
+    assert before.median_ratio is not None and before.median_ratio > 1.2, before
+    assert after.p90_abs_error_ms < 0.5 * before.p90_abs_error_ms, (before, after)
+    assert after.median_abs_error_ms < 0.4 * before.median_abs_error_ms, (before, after)
+    assert after.p90_share_of(2500.0) < 0.55, after
+    assert after.median_ratio == pytest.approx(1.0, abs=0.15), after
+
+
+def test_tracker_counts_prompts_still_prefilling():
+    tr = LoadTracker(capacity=8)
+    a, b = tr.on_start(100, now=0.0), tr.on_start(200, now=0.0)
+    n = tr.on_start(50, now=0.0, streamed=False)  # no first token will come: counted as decoding
+    c = tr.on_start(300, now=0.0)
+    assert [(t.prefill_ahead, t.decoding) for t in (a, b, n, c)] == [(0, 0), (100, 0), (300, 0), (300, 1)]
+    s = tr.snapshot(now=0.0)
+    assert (s.in_flight, s.prefilling, s.prefill_tokens) == (4, 3, 600)
+    tr.on_first_token(a, now=0.1)
+    tr.on_finish(b, ok=False, now=0.2)  # ended before its first token
+    d = tr.on_start(10, now=0.3)
+    assert (d.prefill_ahead, d.decoding) == (300, 2)
+    tr.on_first_token(a, now=0.4)  # a second report changes nothing
+    assert (tr.snapshot(now=0.4).prefilling, tr.snapshot(now=0.4).prefill_tokens) == (2, 310)
+
+
+def test_estimate_counts_the_prefill_ahead_of_an_unqueued_request():
+    s = dataclasses.replace(sig(in_flight=3, first=FT), prefilling=2, prefill_tokens=1500)
+    # 100 + 1500 tokens to prefill, 1 request decoding: 0.1 + 1.6 + 0.2 s
+    assert estimate_wait_ms(s, 4, prompt_tokens=100) == pytest.approx(1900.0)
+    # queued: those ahead are prefilled when it starts, 3 decoding beside it
+    q = dataclasses.replace(sig(in_flight=5, drain=2.0, first=FT), prefilling=2, prefill_tokens=1500)
+    assert estimate_wait_ms(q, 4, prompt_tokens=100) == pytest.approx(1800.0)

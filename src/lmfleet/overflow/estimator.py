@@ -8,15 +8,16 @@ request finds ``n`` requests in flight (``signals.in_flight``). It gets a slot w
 ``q = n - C + 1`` of them have finished (``q <= 0``: a slot is free now). Slots free up at the
 measured drain rate ``r`` (completions per second while busy), so::
 
-    wait = max(0, q) / r + first_token(prompt, k)
+    wait = max(0, q) / r + first_token(prefill, decoding)
 
-where ``first_token(prompt, k)`` is the time to the first token of a request that has its slot, beside ``k``
-others: its own prefill, slowed by the sequences it shares the engine's steps with. ``k`` is ``n`` when a slot is
-free now, ``C - 1`` when it queues (it starts when one of a full engine's requests ends). It is fitted on recent
-unqueued requests' TTFTs against their prompt length and ``k`` (:mod:`lmfleet.overflow.first_token`); until
-enough were seen, the median of those TTFTs (``base_ttft``) stands for every prompt and load. One median for
-all is what made an idle engine's estimate too high (the median is taken among busier moments) and a full one's
-too low.
+where ``first_token(prefill, decoding)`` is the time to the first token of a request that has its slot: the
+prefill of its prompt and of the prompts ahead of it still without a first token, slowed by the sequences
+decoding beside it. With a free slot now: ``prefill`` = its prompt + the prompts prefilling now, ``decoding`` =
+the other requests in flight; when it queues, it starts as one of a full engine's requests ends, the queue ahead
+already prefilled: ``prefill`` = its prompt, ``decoding`` = ``C - 1``. The function is fitted on recent
+unqueued requests' TTFTs (:mod:`lmfleet.overflow.first_token`); until enough were seen, the median of those TTFTs
+(``base_ttft``) stands for every prompt and load. One median for all made an idle engine's estimate too high (it
+is taken among busier moments) and a full one's too low.
 
 When the engine reports its own counts, they refine the capacity: with ``waiting > 0`` the engine is saturated at
 ``running`` sequences (KV-cache limits can hold it below ``max_num_seqs``), so ``C = min(C, running)``; and the
@@ -94,18 +95,22 @@ def estimate_wait_ms(
     if signals.engine_waiting:
         ahead = max(ahead, signals.engine_waiting + 1)
     queued = ahead > 0
-    # the others beside it once it runs: those in flight now, or a full engine's worth less the one that ended
-    beside = slots - 1 if queued else max(0, signals.in_flight)
-    first_s = first_token_s(signals, prompt_tokens, beside, cold_ttft_s)
+    if queued:  # it starts as one of a full engine's requests ends; those ahead have been prefilled by then
+        prefill, decoding = prompt_tokens, slots - 1
+    else:
+        prefill = None if prompt_tokens is None else prompt_tokens + signals.prefill_tokens
+        decoding = max(0, signals.in_flight - signals.prefilling)
+    first_s = first_token_s(signals, prefill, decoding, cold_ttft_s)
     if not queued:
         return first_s * 1000.0
     drain = signals.drain_rps or signals.last_drain_rps or slots / cold_service_s
     return (ahead / drain + first_s) * 1000.0
 
 
-def first_token_s(signals: QueueSignals, prompt_tokens: int | None, beside: int, cold_ttft_s: float = 1.0) -> float:
-    """Seconds from a slot to the first token for a request of ``prompt_tokens`` starting beside ``beside`` others:
-    the fitted first-token model, else the median unqueued TTFT, else ``cold_ttft_s``."""
+def first_token_s(signals: QueueSignals, prefill_tokens: int | None, decoding: int, cold_ttft_s: float = 1.0) -> float:
+    """Seconds from a slot to the first token with ``prefill_tokens`` to prefill up to the request's own (None: a
+    typical figure) beside ``decoding`` requests generating: the fitted first-token model, else the median
+    unqueued TTFT, else ``cold_ttft_s``."""
     if signals.first_token is not None:
-        return signals.first_token.predict_s(prompt_tokens, beside)
+        return signals.first_token.predict_s(prefill_tokens, decoding)
     return signals.base_ttft_s if signals.base_ttft_s is not None else cold_ttft_s

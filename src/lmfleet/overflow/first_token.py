@@ -1,18 +1,20 @@
 """Time to first token once a request has a slot: a small linear model fitted on recent requests. Pure.
 
-A request that did not queue still waits for its own prefill, and on a busy engine that prefill shares every
-step with the other sequences' decodes (and their prefill chunks). So its TTFT grows with its prompt and with the
-number of requests already running::
+A request that did not queue still waits for prefill: its own prompt's and that of the requests ahead of it that
+have not produced their first token yet (vLLM schedules prefills first come, first served), each engine step
+shared with the decodes of the sequences already generating. So its TTFT grows with the prompt tokens to prefill
+up to and including its own, and with the number of requests decoding beside it::
 
-    ttft = base_s + per_prompt_token_s * prompt_tokens + per_running_s * running
+    ttft = base_s + per_prefill_token_s * prefill_tokens + per_decoding_s * decoding
 
-``running``: the other requests in flight when it started (0: an idle engine). One median over every unqueued
-request (what the estimate used before) is too high for a request on an idle engine, which is mostly served at
-low occupancy but measured among busier ones, and too low for one that starts on a full engine after queueing,
-and it gives a 3000-token prompt the TTFT of the chat turns around it.
+One median over every unqueued request (what the estimate used before) is too high for a request on an idle
+engine, too low for one that starts on a full engine after queueing, and gives a 3000-token prompt the TTFT of
+the chat turns around it. Counting the requests ahead by their prompt tokens still to prefill, apart from those
+already decoding, keeps a burst (many prompts prefilling at once, each waiting for the others') from teaching
+the model that joining a running batch is slow.
 
 The fit is ordinary least squares over the samples, with two guards: a slope that comes out negative (noise) is
-dropped and the other regressor fitted alone -- a longer prompt or a busier engine never predicts a shorter wait;
+dropped and the other regressor fitted alone -- more to prefill or a busier engine never predicts a shorter wait;
 a regressor that did not vary is left out -- and with fewer than ``min_samples`` samples there is no model (the
 caller falls back to the median TTFT). The fit reads only sums (:class:`Moments`), so it is O(1) per sample.
 """
@@ -27,32 +29,33 @@ __all__ = ["FirstTokenModel", "FirstTokenSample", "Moments", "fit_first_token"]
 
 @dataclass(frozen=True)
 class FirstTokenSample:
-    """One request that found a free slot: its prompt, the others in flight when it started, its TTFT."""
+    """One request that found a free slot: the prompt tokens to prefill up to its own (its own included), the
+    requests decoding when it started, its TTFT."""
 
-    prompt_tokens: int
-    running: int
+    prefill_tokens: int
+    decoding: int
     ttft_s: float
 
 
 @dataclass(frozen=True)
 class FirstTokenModel:
     base_s: float
-    per_prompt_token_s: float
-    per_running_s: float
-    typical_prompt_tokens: float
-    """The mean prompt of the fitted samples: the prompt assumed when a prediction is asked without one."""
+    per_prefill_token_s: float
+    per_decoding_s: float
+    typical_prefill_tokens: float
+    """The mean ``prefill_tokens`` of the fitted samples: assumed when a prediction is asked without a prompt."""
 
-    def predict_s(self, prompt_tokens: int | None, running: int) -> float:
-        """Seconds to the first token of a request of ``prompt_tokens`` (None: a typical one) starting beside
-        ``running`` others."""
-        p = self.typical_prompt_tokens if prompt_tokens is None else prompt_tokens
-        return max(0.0, self.base_s + self.per_prompt_token_s * p + self.per_running_s * max(0, running))
+    def predict_s(self, prefill_tokens: int | None, decoding: int) -> float:
+        """Seconds to the first token of a request with ``prefill_tokens`` to prefill up to its own (None: a
+        typical figure) beside ``decoding`` requests generating."""
+        p = self.typical_prefill_tokens if prefill_tokens is None else prefill_tokens
+        return max(0.0, self.base_s + self.per_prefill_token_s * p + self.per_decoding_s * max(0, decoding))
 
 
 @dataclass(frozen=True)
 class Moments:
     """The sums a least-squares fit needs, so that adding or removing a sample costs O(1) (the gateway refits on
-    every first token). ``x``: prompt tokens, ``k``: requests running, ``y``: TTFT seconds."""
+    every first token). ``x``: prefill tokens, ``k``: requests decoding, ``y``: TTFT seconds."""
 
     n: int = 0
     x: float = 0.0
@@ -65,7 +68,7 @@ class Moments:
     ky: float = 0.0
 
     def add(self, s: FirstTokenSample, sign: int = 1) -> "Moments":
-        x, k, y = float(s.prompt_tokens), float(max(0, s.running)), s.ttft_s
+        x, k, y = float(s.prefill_tokens), float(max(0, s.decoding)), s.ttft_s
         return Moments(self.n + sign, self.x + sign * x, self.k + sign * k, self.y + sign * y,
                        self.xx + sign * x * x, self.kk + sign * k * k, self.xk + sign * x * k,
                        self.xy + sign * x * y, self.ky + sign * k * y)

@@ -29,8 +29,9 @@ How the figures are measured
   requests that found a free slot when they started (their position, in-flight count including
   themselves and the other gateways' last reported in-flight, was <= ``capacity``). It is not time-limited: under sustained overload no new
   unqueued samples arrive, and the last ones known are the best guess.
-* **First-token model**: the same unqueued requests' TTFT fitted against their prompt length and the requests
-  already in flight when they started (:mod:`lmfleet.overflow.first_token`), over the last ``first_token_samples``
+* **First-token model**: the same unqueued requests' TTFT fitted against the prompt tokens to prefill up to theirs
+  (their own, plus the prompts of this gateway's streamed requests in flight without a first token when they
+  started) and the requests then decoding (:mod:`lmfleet.overflow.first_token`), over the last ``first_token_samples``
   (64) of them, not time-limited either; refitted from running sums when a sample arrives (O(1)).
 * **Engine stats** (optional): vLLM's ``num_requests_running`` / ``num_requests_waiting`` as last
   set by :meth:`LoadTracker.set_engine_stats`; reported only while younger than ``engine_stats_ttl_s``.
@@ -90,6 +91,10 @@ class QueueSignals:
     completions_in_window: int
     engine_running: int | None = None
     engine_waiting: int | None = None
+    prefilling: int = 0
+    """This gateway's streamed requests in flight that have not had their first token."""
+    prefill_tokens: int = 0
+    """Their prompt tokens."""
     last_drain_rps: float | None = None
     """The drain rate last measured (``drain_rps`` of an earlier window, the other gateways' added), whatever its
     age; None before any. The estimate falls back to it while ``drain_rps`` is unknown."""
@@ -105,6 +110,12 @@ class Ticket:
     position: int
     """In-flight count at start, this request and the other gateways' included (1 = the engine was idle)."""
     prompt_tokens: int
+    serial: int = 0
+    prefill_ahead: int = 0
+    """Prompt tokens of this gateway's streamed requests in flight without a first token when it started."""
+    decoding: int = 0
+    """Requests in flight when it started that were past their first token (or not streamed), the other
+    gateways' included."""
 
 
 class _RecentMedian:
@@ -180,6 +191,9 @@ class LoadTracker:
         self._first_token_adds = 0  # since the sums were last recomputed from the samples
         self._first_token: FirstTokenModel | None = None
         self._last_drain: float | None = None  # own drain rate last measured
+        self._serial = 0
+        self._prefilling: dict[int, int] = {}  # ticket serial -> prompt tokens, streamed and before the first token
+        self._prefill_tokens = 0  # their sum
         self._busy: deque[tuple[float, float]] = deque()  # closed (start, end) spells with a request in flight
         self._busy_closed_s = 0.0  # sum of end - start over self._busy
         self._busy_since: float | None = None  # start of the open spell, while a request is in flight
@@ -188,26 +202,35 @@ class LoadTracker:
 
     # -- events --------------------------------------------------------------------------------
 
-    def on_start(self, prompt_tokens: int = 0, now: float | None = None) -> Ticket:
-        """A local request was sent; keep the returned ticket for the two calls below."""
+    def on_start(self, prompt_tokens: int = 0, now: float | None = None, *, streamed: bool = True) -> Ticket:
+        """A local request was sent; keep the returned ticket for the two calls below. ``streamed`` False: no
+        first token will be reported, so it never counts as prefilling (see the first-token model)."""
         t = self._now(now)
         if self._in_flight == 0:
             self._busy_since = t
-        self._in_flight += 1
         # its place in the queue every gateway feeds: a request behind the other gateways' is not an unqueued
         # (base TTFT) sample even when this gateway alone holds fewer than capacity
         peers = self._peers
         ahead = peers[1] if peers is not None and t - peers[0] <= self.engine_stats_ttl_s else 0
-        return Ticket(started_at=t, position=self._in_flight + ahead, prompt_tokens=prompt_tokens)
+        self._serial += 1
+        tk = Ticket(started_at=t, position=self._in_flight + 1 + ahead, prompt_tokens=prompt_tokens,
+                    serial=self._serial, prefill_ahead=self._prefill_tokens,
+                    decoding=self._in_flight - len(self._prefilling) + ahead)
+        self._in_flight += 1
+        if streamed:
+            self._prefilling[tk.serial] = max(0, prompt_tokens)
+            self._prefill_tokens += max(0, prompt_tokens)
+        return tk
 
     def on_first_token(self, ticket: Ticket, now: float | None = None, ttft_s: float | None = None) -> float:
         """The first streamed token arrived (skip for non-streamed requests). Returns the TTFT recorded."""
         t = self._now(now)
         ttft = max(0.0, t - ticket.started_at) if ttft_s is None else ttft_s
         self._ttfts.add(t, ttft)
+        self._prefilled(ticket)
         if ticket.position <= self.capacity:
             self._base_ttfts.add(t, ttft)
-            self._add_first_token(FirstTokenSample(ticket.prompt_tokens, ticket.position - 1, ttft))
+            self._add_first_token(FirstTokenSample(ticket.prompt_tokens + ticket.prefill_ahead, ticket.decoding, ttft))
         return ttft
 
     def on_finish(self, ticket: Ticket, output_tokens: int = 0, ok: bool = True, now: float | None = None) -> None:
@@ -215,6 +238,7 @@ class LoadTracker:
         t = self._now(now)
         if self._in_flight == 0:
             raise RuntimeError("on_finish without a matching on_start")
+        self._prefilled(ticket)
         self._in_flight -= 1
         if self._in_flight == 0 and self._busy_since is not None:
             self._busy.append((self._busy_since, t))
@@ -273,11 +297,16 @@ class LoadTracker:
             completions_in_window=n,
             engine_running=running,
             engine_waiting=waiting,
+            prefilling=len(self._prefilling),
+            prefill_tokens=self._prefill_tokens,
             last_drain_rps=last_drain,
             first_token=self._first_token,
         )
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _prefilled(self, ticket: Ticket) -> None:
+        self._prefill_tokens -= self._prefilling.pop(ticket.serial, 0)
 
     def _add_first_token(self, sample: FirstTokenSample) -> None:
         samples, m = self._first_token_samples, self._first_token_moments
