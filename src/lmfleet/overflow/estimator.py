@@ -34,9 +34,9 @@ Assumptions (and what they cost)
 * Request lengths are not known in advance; a queue of long generations drains slower than the
   window's average, a queue of short ones faster.
 
-Drain rate unknown in the current window (fewer than ``min_completions`` completions, as on a slow engine
-whose requests take longer than a few windows' worth): the last rate measured (``last_drain_rps``), whatever its
-age -- the cold default below was 4x too fast for a CPU replica whose requests took 40 s.
+Drain rate unknown in the current window (fewer than ``min_completions`` completions, as on a slow engine whose
+requests each take a good part of the window): the last rate measured (``last_drain_rps``), whatever its age. The
+cold default below is a guess; on a CPU replica whose requests take 40 s it is 4x too fast.
 
 Cold start (no measurements): the drain rate defaults to ``C / cold_service_s`` (every slot
 busy for ``cold_service_s`` per request, 10 s by default: pessimistic for chat models) and
