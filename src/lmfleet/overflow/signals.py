@@ -99,7 +99,8 @@ class QueueSignals:
     """The drain rate last measured (``drain_rps`` of an earlier window, the other gateways' added), whatever its
     age; None before any. The estimate falls back to it while ``drain_rps`` is unknown."""
     first_token: FirstTokenModel | None = None
-    """TTFT of a request that does not queue, by prompt length and requests in flight (None: too few samples)."""
+    """TTFT of a request that does not queue, by the prompt tokens to prefill up to its own and the requests
+    decoding beside it (None: too few samples)."""
 
 
 @dataclass(frozen=True)
