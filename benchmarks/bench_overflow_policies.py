@@ -19,8 +19,9 @@ share, dollars and $/1M tokens (prompt + output, all requests), prompt tokens se
 and a provider (hedged requests, and ttft_timeout failovers: an upper bound on the tokens prefilled twice, since a
 local attempt cancelled while still queued in vLLM was not prefilled), requests answered after a cancelled
 local attempt (ttft_timeout failovers, hedges the provider won), errors; and the estimate's error on the
-requests kept local (predicted ``x-lmfleet-queue-estimate-ms`` against the client's TTFT, which adds the
-prefill to the queue wait; :mod:`lmfleet.overflow.estimate_error`).
+streamed requests kept local, per round: the ledger's ``predicted_wait_ms`` against ``realised_wait_ms`` (the
+gateway's TTFT of the local answer), read through ``/admin/usage?estimate=1`` over the round's window -- the
+figures ``lmfleet usage --estimate`` prints (:mod:`lmfleet.overflow.estimate_error`).
 
 The oracle (:mod:`lmfleet.overflow.oracle`): the local service model fitted on the ``local only`` runs (a
 request counts as queued when ``max_num_seqs`` earlier requests were still streaming as it was sent), then
@@ -47,7 +48,7 @@ from pathlib import Path
 
 from lmfleet.bench.trace import TraceRequest, TraceSpec, bursty_trace
 from lmfleet.config.models import ProviderPrice
-from lmfleet.overflow.estimate_error import EstimateError, estimate_error, percentile
+from lmfleet.overflow.estimate_error import percentile
 from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, oracle_spill
 from lmfleet.provenance import is_external
 
@@ -127,12 +128,6 @@ def summarize(outcomes: list[Outcome], slo_s: float, spend_usd: float) -> dict:
         "answered_after_cancel": sum(1 for o in ok if o.after_cancel),
         "hedged": sum(1 for o in outcomes if o.hedged),
     }
-
-
-def estimate_pairs(outcomes: list[Outcome]) -> list[tuple[float, float]]:
-    """(predicted wait, TTFT) in ms of the requests kept local at admission and served there without a hedge."""
-    return [(o.estimate_ms, o.ttft_s * 1000) for o in outcomes  # type: ignore[operator]
-            if o.ok and not o.external and not o.hedged and o.estimate_ms is not None]
 
 
 def service_samples(outcomes: list[Outcome], slots: int) -> list[ServiceSample]:
@@ -271,6 +266,18 @@ def provider_spend_usd(url: str, since: float, until: float) -> float:
     return sum(r["cost_usd"] for r in usage["rows"] if is_external(r["served_by"]))
 
 
+def estimate_error_of(url: str, since: float, until: float) -> dict | None:
+    """The estimate's error on the model's requests kept local in the window, from the ledger (None: none)."""
+    models = admin(url, "GET", f"/admin/usage?estimate=1&since={since}&until={until}")["models"]
+    return next((m for m in models if m["model"] == MODEL), None)
+
+
+def estimate_line(name: str, rnd: int, e: dict) -> str:
+    return (f"  {name:12s} round {rnd}: n={e['requests']} median |err| {e['median_abs_error_ms']:.0f} ms, P90 |err| "
+            f"{e['p90_abs_error_ms']:.0f} ms ({e['p90_abs_error_pct_of_threshold']:.0f} % of threshold), bias "
+            f"{e['bias_ms']:+.0f} ms, median actual/predicted {e['median_actual_over_predicted']}")
+
+
 def wait_ready(url: str, timeout: float, procs: list[subprocess.Popen]) -> None:
     import httpx
 
@@ -392,6 +399,7 @@ def run(args: argparse.Namespace, url: str) -> None:
           flush=True)
     runs: dict[str, list[Outcome]] = {p: [] for p in args.policies}
     spend: dict[str, float] = {p: 0.0 for p in args.policies}
+    estimates: dict[str, list[dict]] = {p: [] for p in args.policies}
     for rnd in range(args.rounds):
         order = args.policies if rnd % 2 == 0 else list(reversed(args.policies))
         for name in order:
@@ -400,7 +408,11 @@ def run(args: argparse.Namespace, url: str) -> None:
             since = time.time()
             res = asyncio.run(replay(url, trace, args.seed, ignore_eos=True))
             time.sleep(2)  # the last ledger rows
-            spend[name] += provider_spend_usd(url, since - 1, time.time())
+            until = time.time()
+            spend[name] += provider_spend_usd(url, since - 1, until)
+            e = estimate_error_of(url, since - 1, until)
+            if e is not None:
+                estimates[name].append({"round": rnd + 1, **e})
             runs[name] += res
             r = summarize(res, slo_s, 0.0)
             print(f"round {rnd + 1} {name:12s} SLO {r['slo_attainment']:.1%}  TTFT p50/p99 "
@@ -417,11 +429,6 @@ def run(args: argparse.Namespace, url: str) -> None:
                       "spend_usd": res.spend_nusd / 1e9 * args.rounds}
         except ValueError as e:
             print(f"oracle: not computed ({e})", flush=True)
-    estimates: dict[str, EstimateError] = {}
-    for name in args.policies:
-        pairs = estimate_pairs(runs[name])
-        if pairs:
-            estimates[name] = estimate_error(MODEL, pairs)
     print(f"\nload at end: {load()}")
     print(f"\nthreshold {args.threshold_ms:.0f} ms, hedge_after {args.hedge_after_ms:.0f} ms, ttft_timeout "
           f"{args.ttft_timeout_ms:.0f} ms, {args.rounds} round(s), provider $ {args.price_in}/{args.price_out} "
@@ -430,16 +437,15 @@ def run(args: argparse.Namespace, url: str) -> None:
     if oracle:
         print(f"\noracle: spills {oracle['spilled']} of {oracle['of']} requests per round, "
               f"${oracle['spend_usd']:.5f} over {args.rounds} round(s); local model {oracle['model']}")
-    print("\nestimate (requests kept local, predicted wait vs TTFT):")
-    for name, e in estimates.items():
-        print(f"  {name:12s} n={e.count} median |err| {e.median_abs_error_ms:.0f} ms, P90 |err| "
-              f"{e.p90_abs_error_ms:.0f} ms ({e.p90_share_of(args.threshold_ms):.0%} of threshold), bias "
-              f"{e.bias_ms:+.0f} ms, median actual/predicted {e.median_ratio}")
+    print("\nestimate (streamed requests kept local, from the ledger: predicted vs realised wait):")
+    for name, per_round in estimates.items():
+        for e in per_round:
+            print(estimate_line(name, e["round"], e))
     summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "capacity_rps": cap,
                "trace": asdict(spec), "requests_per_round": len(trace), "seed": args.seed,
                "threshold_ms": args.threshold_ms, "hedge_after_ms": args.hedge_after_ms,
                "ttft_timeout_ms": args.ttft_timeout_ms, "rounds": args.rounds, "results": results,
-               "oracle": oracle, "estimate": {k: asdict(v) for k, v in estimates.items()}}
+               "oracle": oracle, "estimate": estimates}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (out / "outcomes.jsonl").write_text("".join(
         json.dumps({"policy": k, **asdict(o)}) + "\n" for k, v in runs.items() for o in v))

@@ -216,7 +216,16 @@ def test_on_error_never_spills_a_healthy_request(policies):
     _set(fleet, mode="auto", threshold_ms=1)  # any queue at all is above it
     assert any(served == "provider/backup" for _, served, _ in _burst(fleet))  # predictive spills at this bar
     _set(fleet, policy="on_error")
+    since = time.time()
     results = _burst(fleet)
     assert {(status, served) for status, served, _ in results} == {(200, "local/smollm2")}, results
     assert {why for *_, why in results} <= {"local_ok", "local_first"}
     assert "local_first" in {why for *_, why in results}, results  # kept local where predictive would spill
+
+    # every local row keeps the wait predicted for it; the streamed ones (half of the burst) the realised one too
+    rows = _wait_rows(fleet, since, len(results))
+    assert len(rows) == len(results) and all(r["predicted_wait_ms"] is not None for r in rows), rows
+    realised = [r for r in rows if r["realised_wait_ms"] is not None]
+    assert len(realised) == len(results) // 2 and all(r["realised_wait_ms"] == r["ttft_ms"] for r in realised), rows
+    est = fleet.admin("GET", f"/admin/usage?estimate=1&since={since}").json()["models"]
+    assert [(m["model"], m["requests"]) for m in est] == [("smollm2", len(realised))], est

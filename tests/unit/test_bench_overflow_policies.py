@@ -68,15 +68,11 @@ def test_summarize_nothing(bench):
     assert r["usd_per_1m_tokens"] is None
 
 
-def test_estimate_pairs_only_kept_local_unhedged(bench):
-    outs = [
-        outcome(bench, 0, 0.5, est=300.0),
-        outcome(bench, 1, 1.5, est=None),  # no header: left out
-        outcome(bench, 2, 0.4, served="provider/backup", est=3000.0),
-        outcome(bench, 3, 2.0, hedged=True, reason="hedge_local_won", est=100.0),
-        outcome(bench, 4, None, status=503, est=10.0),
-    ]
-    assert bench.estimate_pairs(outs) == [(300.0, 500.0)]
+def test_estimate_line(bench):
+    e = {"requests": 4, "median_abs_error_ms": 120.0, "p90_abs_error_ms": 600.0, "p90_abs_error_pct_of_threshold": 24.0,
+         "bias_ms": -50.0, "median_actual_over_predicted": 0.9}
+    assert bench.estimate_line("predictive", 2, e) == ("  predictive   round 2: n=4 median |err| 120 ms, P90 |err| 600 ms "
+                                                       "(24 % of threshold), bias -50 ms, median actual/predicted 0.9")
 
 
 def test_service_samples_mark_queued(bench):

@@ -156,3 +156,15 @@ def test_estimate_error_histogram(served_by, status, ttft_s, predicted_ms, obser
     # a histogram with negative buckets has no _sum (OpenMetrics): the sign shows in the buckets
     at_or_below_zero = reg.get_sample_value("lmfleet_queue_estimate_error_seconds_bucket", {"model": "m", "le": "0.0"})
     assert count == 1 and at_or_below_zero == (1 if observed <= 0 else 0)
+
+
+@pytest.mark.parametrize("served_by, ttft_s, predicted_ms, expected", [
+    ("local/m", 1.5, 1000.0, (1000.0, 1500.0)),    # streamed and kept local: both
+    ("local/m", None, 1000.0, (1000.0, None)),     # not streamed, or ended before its first token: no realised wait
+    ("local/m", 0.3, None, (None, None)),          # no estimate made
+    ("provider/acme", 0.4, 100.0, (None, None)),   # a provider's TTFT is not a local wait
+])
+def test_ledger_waits(served_by, ttft_s, predicted_ms, expected):
+    from lmfleet.gateway.observe.recorder import Outcome, waits
+
+    assert waits(Outcome(served_by, "local_ok", 10, 5, ttft_s, 200, predicted_ms)) == expected

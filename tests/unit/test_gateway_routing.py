@@ -286,6 +286,29 @@ async def test_ledger_and_metrics_add_up(tmp_path):
     assert 'lmfleet_errors_total{code="404",model="unknown"} 1.0' in text
 
 
+async def test_ledger_keeps_the_predicted_and_realised_wait_of_local_requests(tmp_path):
+    app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
+    c = await started_client(app)
+    adm = {"authorization": "Bearer adm"}
+    for _ in range(2):
+        r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert r.status_code == 200
+    await c.post("/v1/chat/completions", json=CHAT)  # not streamed: no first token to time
+    await c.post("/admin/overflow", json={"mode": "force_on"}, headers=adm)
+    await c.post("/v1/chat/completions", json={**CHAT, "stream": True})  # a provider's: no local wait
+    await (await c.get("/admin/usage", headers=adm)).aread()  # flushed
+    rows = app.state.gateway.recorder.ledger.rows()
+    waits = [(r["served_by"], r["predicted_wait_ms"] is not None, r["realised_wait_ms"] is not None) for r in rows]
+    assert waits == [("local/m", True, True), ("local/m", True, True), ("local/m", True, False),
+                     ("provider/p", False, False)]
+    assert all(r["realised_wait_ms"] == r["ttft_ms"] for r in rows[:2])
+    est = (await c.get("/admin/usage?estimate=1", headers=adm)).json()
+    (m,) = est["models"]
+    assert m["model"] == "m" and m["requests"] == 2 and m["threshold_ms"] == app.state.gateway.models["m"].threshold_ms
+    assert m["p90_abs_error_pct_of_threshold"] == pytest.approx(100 * m["p90_abs_error_ms"] / m["threshold_ms"], abs=0.1)
+    assert (await c.get("/admin/usage?estimate=1&advise=1", headers=adm)).status_code == 400
+
+
 async def test_models_lists_served_models(tmp_path):
     c = await started_client(make_gateway(tmp_path, ok_local))
     data = (await c.get("/v1/models")).json()

@@ -13,6 +13,7 @@ from lmfleet.overflow.estimate_error import (
     estimate_error,
     estimate_errors,
     percentile,
+    samples_from_rows,
 )
 
 
@@ -63,3 +64,23 @@ def test_percentile_edges():
     assert math.isnan(percentile([], 50))
     with pytest.raises(ValueError):
         percentile([1.0], 101)
+
+
+def test_samples_from_ledger_rows_need_both_waits():
+    rows = [
+        {"model": "m", "served_by": "local/m", "predicted_wait_ms": 100.0, "realised_wait_ms": 250.0},
+        {"model": "m", "served_by": "local/m", "predicted_wait_ms": 100.0, "realised_wait_ms": None},  # not streamed
+        {"model": "m", "served_by": "provider/p", "predicted_wait_ms": None, "realised_wait_ms": None},
+        {"model": "m", "served_by": "local/m"},  # a row from before the columns
+        {"model": "n", "served_by": "local/n", "predicted_wait_ms": 0.0, "realised_wait_ms": 40.0},
+    ]
+    assert samples_from_rows(rows) == [EstimateSample("m", 100.0, 250.0), EstimateSample("n", 0.0, 40.0)]
+
+
+def test_report_dict_with_and_without_threshold():
+    e = estimate_error("m", [(1000, 500), (1000, 700), (1000, 900)])
+    d = e.as_dict(2500.0)
+    assert d == {"model": "m", "requests": 3, "median_abs_error_ms": 300.0, "p90_abs_error_ms": 460.0,
+                 "median_abs_error_pct_of_threshold": 12.0, "p90_abs_error_pct_of_threshold": 18.4,
+                 "bias_ms": -300.0, "median_actual_over_predicted": 0.7, "threshold_ms": 2500.0}
+    assert e.as_dict()["p90_abs_error_pct_of_threshold"] is None

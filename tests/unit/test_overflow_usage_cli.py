@@ -185,3 +185,28 @@ def test_usage_advise(ledger_path, tmp_path, node_hour_usd, since, verdict, hour
     assert row["replica_hour_usd"] == pytest.approx(node_hour_usd)
     table = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert table.exit_code == 0 and f"Rent or buy — smollm2: {verdict}" in table.output
+
+
+def test_usage_estimate(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    now = time.time()
+    with Ledger(path) as led:
+        for ago, predicted, realised in [(10, 1000.0, 1500.0), (20, 1000.0, 800.0), (30, 500.0, None),
+                                         (7200, 100.0, 5100.0), (40, None, None)]:
+            led.record(model="smollm2", served_by="local/smollm2" if predicted else "provider/acme",
+                       route_reason="x", input_tokens=1, output_tokens=1, status="200", cost_usd=0.0, ts=now - ago,
+                       predicted_wait_ms=predicted, realised_wait_ms=realised)
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"models:\n  - name: smollm2\n    source: builtin:smollm2\n    overflow: {{threshold_ms: 2000}}\n"
+                     f"ledger:\n  path: {path}\n")
+    res = CliRunner().invoke(app, ["usage", "-c", str(fleet), "--estimate", "--since", "1h", "--json"])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(res.output)["models"]
+    # errors +500 and -200: median |err| 350, P90 470 (23.5 % of 2000), bias +150, ratios 1.5 and 0.8
+    assert row == {"model": "smollm2", "requests": 2, "median_abs_error_ms": 350.0, "p90_abs_error_ms": 470.0,
+                   "median_abs_error_pct_of_threshold": 17.5, "p90_abs_error_pct_of_threshold": 23.5,
+                   "bias_ms": 150.0, "median_actual_over_predicted": 1.15, "threshold_ms": 2000.0}
+    table = CliRunner().invoke(app, ["usage", "-c", str(fleet), "--estimate"], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "smollm2" in table.output and "3" in table.output
+    both = CliRunner().invoke(app, ["usage", "-c", str(fleet), "--estimate", "--advise"])
+    assert both.exit_code == 2 and "choose one" in both.output

@@ -7,6 +7,7 @@ The fixtures under ``data/ledgers`` are SQL dumps of databases that 7963f4a's ow
     ledger-7963f4a-v1.sqlite.sql          the first schema version (no ``tenant`` column, no tenant tables)
     ledger-7963f4a-ledger-only.sqlite.sql a file only the ledger opened (no ``lmfleet_schema``)
     ledger-7963f4a.postgres.sql           store and ledger together in PostgreSQL (``pg_dump --inserts``)
+    ledger-ba42f8c-v6.sqlite.sql          schema version 6 (``usage_source``, ``upstream_model``; no estimate columns)
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ OLD_ROWS = {
     "v4": ({"provider/acme": 1, "local/smollm2": 2, "provider/beta": 1}, 433_000),
     "v1": ({"provider/acme": 1, "local/smollm2": 1}, 90_000),
     "ledger-only": ({"provider/acme": 1}, 20_000),
+    "v6": ({"provider/acme": 1, "local/smollm2": 2}, 433_000),
 }
+FIXTURE = {name: f"ledger-7963f4a-{name}.sqlite.sql" for name in OLD_ROWS} | {"v6": "ledger-ba42f8c-v6.sqlite.sql"}
 V4_TENANT_ROWS = {"acme": 1, "beta": 1, "default": 2}
 
 
@@ -86,7 +89,8 @@ def _write_new_rows(store: SqlSpendStore, led: SqlLedger, name: str) -> None:
     assert isinstance(res, Reservation)
     assert store.settle(res, 150_000, NEW)
     led.record(model="smollm2", served_by="local/smollm2", route_reason="local_ok", input_tokens=1, output_tokens=2,
-               status="ok", cost_usd=0.0, tenant="gamma")
+               status="ok", cost_usd=0.0, tenant="gamma", ttft_ms=900.0, predicted_wait_ms=600.0,
+               realised_wait_ms=900.0)
     taken, slot = store.admit_tenant("gamma", lambda c: (True, c.in_flight), now=T0 + 10, window_s=60.0,
                                      slot_ttl_s=600.0, count_request=True)
     assert slot is not None
@@ -113,7 +117,7 @@ def _check_after(out: dict, name: str) -> None:
 def test_an_old_sqlite_ledger_upgrades_in_place(tmp_path, name):
     path = tmp_path / "ledger.sqlite"
     with sqlite3.connect(path) as db:
-        db.executescript((DATA / f"ledger-7963f4a-{name}.sqlite.sql").read_text())
+        db.executescript((DATA / FIXTURE[name]).read_text())
 
     # lmfleet usage first, as a user upgrading would run it: it opens (and upgrades) the file and reads the old rows
     _check_old_rows(_usage(["--ledger", str(path)], "--since", "2025-01-01"), name)
@@ -124,6 +128,9 @@ def test_an_old_sqlite_ledger_upgrades_in_place(tmp_path, name):
     with SqliteSpendStore(path, clock=lambda: T0 + 10) as store, Ledger(path, clock=lambda: T0 + 11) as led:
         _write_new_rows(store, led, name)
     _check_after(_usage(["--ledger", str(path)], "--since", "2025-01-01"), name)
+    # the old rows have no estimate; the new local row has one
+    (est,) = _usage(["--ledger", str(path)], "--since", "2025-01-01", "--estimate")["models"]
+    assert (est["model"], est["requests"], est["p90_abs_error_ms"]) == ("smollm2", 1, 300.0)
 
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT MAX(version) FROM lmfleet_schema").fetchone() == (MIGRATIONS[-1][0],)
@@ -146,6 +153,8 @@ def test_an_old_postgres_ledger_upgrades_in_place(tmp_path, pg_server):
     with PostgresSpendStore(url, clock=lambda: T0 + 10) as store, PostgresLedger(url, clock=lambda: T0 + 11) as led:
         _write_new_rows(store, led, "v4")
     _check_after(_usage(["-c", fleet], "--since", "2025-01-01"), "v4")
+    (est,) = _usage(["-c", fleet], "--since", "2025-01-01", "--estimate")["models"]
+    assert (est["model"], est["requests"], est["bias_ms"]) == ("smollm2", 1, 300.0)
 
     with psycopg.connect(url) as conn:
         assert conn.execute("SELECT MAX(version) FROM lmfleet_schema").fetchone() == (MIGRATIONS[-1][0],)
@@ -165,7 +174,8 @@ def test_an_old_postgres_ledger_upgrades_in_place(tmp_path, pg_server):
 def test_one_declaration_makes_both_dialects(dialect, first):
     table, index = create_table_sql(REQUESTS, dialect)
     assert table.startswith(first) and table.endswith(
-        "cost_nusd " + TYPES[dialect]["int"] + " NOT NULL, tenant TEXT, usage_source TEXT, upstream_model TEXT)")
+        "cost_nusd " + TYPES[dialect]["int"] + " NOT NULL, tenant TEXT, usage_source TEXT, upstream_model TEXT,"
+        f" predicted_wait_ms {TYPES[dialect]['real']}, realised_wait_ms {TYPES[dialect]['real']})")
     assert index == "CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts)"
 
 

@@ -1,5 +1,6 @@
 """``lmfleet usage``: requests, tokens and cost per backend or per tenant, from the ledger (SQLite or PostgreSQL);
-``--advise``: rent or buy per model (:mod:`lmfleet.overflow.advise`)."""
+``--advise``: rent or buy per model (:mod:`lmfleet.overflow.advise`); ``--estimate``: how wrong the predicted local
+wait was, per model (:mod:`lmfleet.overflow.estimate_error`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rich.table import Table
 from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
 from lmfleet.config.models import FleetConfig, LedgerConfig
 from lmfleet.overflow.advise import AdviceRow, advise, facts_from_rows, replica_hour_nusd
+from lmfleet.overflow.estimate_error import EstimateError, estimate_errors, samples_from_rows
 from lmfleet.store import DEFAULT_TENANT, Grouping, SpendStoreError, StoreUnavailable, UsageRow, describe, open_ledger
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -63,12 +65,18 @@ def usage(
                                  "exceeded one more replica's hourly cost (the fleet file's cost.gpu_hour_usd x its "
                                  "GPUs, or cost.node_hour_usd), and that replica's cost over the window against the "
                                  "overflow's."),
+    estimate: bool = typer.Option(False, "--estimate", help="The predicted local wait against the realised one "
+                                  "(streamed requests kept local): per model, requests, median and P90 absolute "
+                                  "error (ms and % of the model's overflow.threshold_ms), bias (median signed error "
+                                  "and median actual/predicted)."),
 ) -> None:
     """Show requests, tokens and cost per backend (local model or provider) or per tenant, from the ledger.
 
     Exit 1 when the ledger cannot be read (no SQLite file yet, PostgreSQL unreachable); 2 on bad options."""
     if by not in get_args(Grouping):
         fail(f"--by {by!r}: expected one of {', '.join(get_args(Grouping))}", EXIT_USAGE)
+    if advise_ and estimate:
+        fail("--advise and --estimate: choose one", EXIT_USAGE)
     fleet = load_or_exit(config)
     cfg = fleet.ledger if ledger is None else LedgerConfig(path=str(ledger))
     where = describe(cfg)
@@ -81,7 +89,7 @@ def usage(
         fail(str(e), EXIT_USAGE)
     try:
         with open_ledger(cfg) as led:
-            if advise_:
+            if advise_ or estimate:
                 raw = led.rows(since=start)
             else:
                 rows = led.summary(since=start, by=by)  # type: ignore[arg-type]  # checked above
@@ -90,6 +98,15 @@ def usage(
         fail(str(e), 1)
     except SpendStoreError as e:  # ledger.password_env unset, psycopg missing
         fail(f"ledger: {e}", EXIT_USAGE)
+    if estimate:
+        thresholds = {m.name: m.overflow.threshold_ms for m in fleet.models}
+        errors = estimate_errors(samples_from_rows(raw))
+        if as_json:
+            typer.echo(json.dumps({"ledger": where, "since": start, "until": now,
+                                   "models": [e.as_dict(thresholds.get(e.model)) for e in errors]}, indent=2))
+            return
+        Console().print(_estimate_table(errors, thresholds, where))
+        return
     if advise_:
         window = (start, now) if start is not None else None
         advice = advise(facts_from_rows(raw), replica_hours(fleet), window=window)
@@ -135,4 +152,20 @@ def _advice_table(a: AdviceRow) -> Table:
               f"{_money(d['replica_over_usd'])} $ ({a.hours_over} h of {a.hours})")
     t.add_row("$/1M tokens the providers served", per(a.overflow_usd_per_1m), per(a.replica_usd_per_1m))
     t.add_row("replica-hour", "", f"{_money(d['replica_hour_usd'])} $")
+    return t
+
+
+def _estimate_table(errors: list[EstimateError], thresholds: dict[str, float], where: str) -> Table:
+    t = Table(title=f"Predicted local wait vs realised — {where}",
+              caption=None if errors else "no request kept local with both figures in this window")
+    t.add_column("model")
+    for col in ("requests", "median |err| ms", "P90 |err| ms", "P90 % of threshold", "bias ms",
+                "median actual/predicted"):
+        t.add_column(col, justify="right")
+    for e in errors:
+        d = e.as_dict(thresholds.get(e.model))
+        pct = d["p90_abs_error_pct_of_threshold"]
+        ratio = d["median_actual_over_predicted"]
+        t.add_row(e.model, f"{e.count:,}", f"{e.median_abs_error_ms:.0f}", f"{e.p90_abs_error_ms:.0f}",
+                  "-" if pct is None else f"{pct:.0f} %", f"{e.bias_ms:+.0f}", "-" if ratio is None else f"{ratio:.2f}")
     return t

@@ -1,7 +1,8 @@
 """How wrong the predicted local wait was: error statistics per model. Pure.
 
 For each request kept local the gateway knows what it predicted (``estimate_wait_ms`` at admission) and what
-happened: the request's queue time to first token (dispatch to first token, measured at the gateway). From
+happened: the request's queue time to first token (arrival to first streamed token, measured at the gateway). The
+ledger keeps both (``predicted_wait_ms``, ``realised_wait_ms``; :func:`samples_from_rows` reads them back). From
 those pairs, per model:
 
 * ``median_abs_error_ms`` and ``p90_abs_error_ms``: of ``|actual - predicted|``;
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["EstimateError", "EstimateSample", "estimate_error", "estimate_errors", "percentile"]
+__all__ = ["EstimateError", "EstimateSample", "estimate_error", "estimate_errors", "percentile", "samples_from_rows"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,23 @@ class EstimateError:
     """Median of ``actual / predicted`` over predictions above 0; None when there is none."""
 
     def p90_share_of(self, threshold_ms: float) -> float:
-        """The P90 absolute error as a share of the overflow threshold (the issue's target: <= 0.25)."""
+        """The P90 absolute error as a share of the overflow threshold (the target: <= 0.25)."""
         return self.p90_abs_error_ms / threshold_ms
+
+    def as_dict(self, threshold_ms: float | None = None) -> dict[str, Any]:
+        """The figures, rounded for reports; with ``threshold_ms`` (the model's overflow threshold) also the
+        absolute errors as a percentage of it (``None`` without one)."""
+        def pct(ms: float) -> float | None:
+            return round(100 * ms / threshold_ms, 1) if threshold_ms else None
+
+        return {"model": self.model, "requests": self.count,
+                "median_abs_error_ms": round(self.median_abs_error_ms, 1),
+                "p90_abs_error_ms": round(self.p90_abs_error_ms, 1),
+                "median_abs_error_pct_of_threshold": pct(self.median_abs_error_ms),
+                "p90_abs_error_pct_of_threshold": pct(self.p90_abs_error_ms),
+                "bias_ms": round(self.bias_ms, 1),
+                "median_actual_over_predicted": None if self.median_ratio is None else round(self.median_ratio, 3),
+                "threshold_ms": threshold_ms}
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -83,3 +100,17 @@ def estimate_errors(samples: Iterable[EstimateSample]) -> list[EstimateError]:
     for s in samples:
         by_model[s.model].append((s.predicted_ms, s.actual_ms))
     return [estimate_error(m, pairs) for m, pairs in sorted(by_model.items())]
+
+
+def samples_from_rows(rows: Iterable[Mapping[str, Any]]) -> list[EstimateSample]:
+    """The ledger rows (``Ledger.rows()``) that carry both a predicted and a realised wait, as samples.
+
+    Rows without them are left out: requests sent to a provider, written before the columns existed, answered
+    without a stream (no first token the gateway could time), or ended before their first token.
+    """
+    out = []
+    for r in rows:
+        predicted, realised = r.get("predicted_wait_ms"), r.get("realised_wait_ms")
+        if predicted is not None and realised is not None:
+            out.append(EstimateSample(str(r["model"]), float(predicted), float(realised)))
+    return out

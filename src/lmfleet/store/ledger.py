@@ -112,16 +112,20 @@ class SqlLedger:
         tenant: str | None = None,
         usage_source: str | None = None,
         upstream_model: str | None = None,
+        predicted_wait_ms: float | None = None,
+        realised_wait_ms: float | None = None,
     ) -> int:
         """Append one request; returns its row id. ``status``: e.g. "ok", "error", "cancelled", or an HTTP code.
         ``tenant``: who sent it (None: reported as ``default``); ``usage_source``: where the token counts came from
-        (``provider`` or ``estimated``); ``upstream_model``: the model name the backend answered with."""
+        (``provider`` or ``estimated``); ``upstream_model``: the model name the backend answered with;
+        ``predicted_wait_ms`` / ``realised_wait_ms``: a request kept local, its predicted and realised wait before
+        the first token."""
         if input_tokens < 0 or output_tokens < 0 or cost_usd < 0:
             raise ValueError(f"negative usage: {input_tokens=} {output_tokens=} {cost_usd=}")
         when = self._clock() if ts is None else ts
         return self._insert(INSERT_REQUEST, (when, model, served_by, route_reason, input_tokens, output_tokens, latency_ms,
                                       ttft_ms, str(status), usd_to_nusd(cost_usd), tenant, usage_source,
-                                      upstream_model))
+                                      upstream_model, predicted_wait_ms, realised_wait_ms))
 
     def spend_since(self, ts: float, external_only: bool = True) -> float:
         """USD recorded at or after ``ts`` (external providers only by default)."""

@@ -96,6 +96,11 @@ class UsageRecord:
     with the model's tokenizer, for an answer without usage); None: not said."""
     upstream_model: str | None = None
     """The model name the backend answered with (None: it named none)."""
+    predicted_wait_ms: float | None = None
+    """A request kept local: the wait before its first token the router predicted (None: sent out, or no estimate)."""
+    realised_wait_ms: float | None = None
+    """A request kept local: the wait it had, dispatch to first token as the gateway saw it (None: no first token
+    measured, see ``lmfleet.overflow.estimate_error``)."""
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0 or self.output_tokens < 0:

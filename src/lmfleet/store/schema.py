@@ -72,6 +72,9 @@ REQUESTS = Table("requests", (
     Column("tenant", "text", nullable=True),  # NULL: untagged, reported as the tenant "default"
     Column("usage_source", "text", nullable=True),  # provider | estimated; NULL: a row from before the column
     Column("upstream_model", "text", nullable=True),  # the model name the backend answered with
+    # requests kept local with an estimate: the predicted wait before the first token and the realised one
+    Column("predicted_wait_ms", "real", nullable=True),
+    Column("realised_wait_ms", "real", nullable=True),
 ), indexes=(("requests_ts", ("ts",)),))
 
 RESERVATIONS = Table("reservations", (
@@ -135,7 +138,7 @@ def insert_sql(table: Table) -> str:
 
 INSERT_REQUEST = insert_sql(REQUESTS)
 """One ledger row: ts, model, served_by, route_reason, input_tokens, output_tokens, latency_ms, ttft_ms, status,
-cost_nusd, tenant, usage_source, upstream_model."""
+cost_nusd, tenant, usage_source, upstream_model, predicted_wait_ms, realised_wait_ms."""
 
 
 class Query(Protocol):
@@ -180,6 +183,8 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (4, CreateTables((TENANT_OVERRIDES,))),
     (5, AddColumn(REQUESTS, "usage_source")),
     (6, AddColumn(REQUESTS, "upstream_model")),
+    (7, AddColumn(REQUESTS, "predicted_wait_ms")),
+    (8, AddColumn(REQUESTS, "realised_wait_ms")),
 )
 """(version, step), in order. A new table or column is declared above and gets a new step here."""
 

@@ -46,6 +46,19 @@ class Outcome:
     """The model name the backend answered with (None: it named none)."""
 
 
+def waits(o: Outcome) -> tuple[float | None, float | None]:
+    """The ledger's ``(predicted_wait_ms, realised_wait_ms)`` of one outcome.
+
+    Only a local answer with an estimate has them. The realised wait is its TTFT as the gateway measured it
+    (arrival to the first streamed token: the wait the estimate predicts). A non-streamed answer has no first token
+    the gateway can see -- its latency includes the whole generation -- so its realised wait is left empty (NULL)
+    rather than counted as the estimate's error; so is a request that ended before its first token.
+    """
+    if o.predicted_wait_ms is None or is_external(o.served_by):
+        return None, None
+    return o.predicted_wait_ms, (o.ttft_s * 1000 if o.ttft_s is not None else None)
+
+
 TRANSIENT_WRITE_ERRORS: tuple[type[BaseException], ...] = (sqlite3.OperationalError, OSError, StoreUnavailable)
 """Ledger write failures worth retrying: the database is locked, full, unreachable or being restarted. Anything
 else (a bug, a row the schema refuses) would fail again: it is logged and the row dropped, as before."""
@@ -212,10 +225,12 @@ class Recorder:
         cost_total.inc(cost)
         if self.ledger is None:
             return
+        predicted, realised = waits(o)
         row = UsageRecord(model=model, served_by=o.served_by, route_reason=o.reason, input_tokens=o.input_tokens,
                           output_tokens=o.output_tokens, status=str(o.status), latency_ms=latency_s * 1000,
                           ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None, tenant=tenant,
-                          usage_source=o.usage_source, upstream_model=o.upstream_model)
+                          usage_source=o.usage_source, upstream_model=o.upstream_model,
+                          predicted_wait_ms=predicted, realised_wait_ms=realised)
         reservation = getattr(slot, "reservation", None)
         if reservation is not None and self.store is not None:  # settle the hold to the real cost, row included
             store = self.store

@@ -1,0 +1,26 @@
+-- A ledger as lmfleet ba42f8c wrote it (its own code, a fixed clock), dumped as SQL text; see test_store_upgrade.py.
+BEGIN TRANSACTION;
+CREATE TABLE lmfleet_schema (version INTEGER NOT NULL);
+INSERT INTO "lmfleet_schema" VALUES(1);
+INSERT INTO "lmfleet_schema" VALUES(2);
+INSERT INTO "lmfleet_schema" VALUES(3);
+INSERT INTO "lmfleet_schema" VALUES(4);
+INSERT INTO "lmfleet_schema" VALUES(5);
+INSERT INTO "lmfleet_schema" VALUES(6);
+CREATE TABLE rate_windows (key TEXT NOT NULL, window_start REAL NOT NULL, n REAL NOT NULL, PRIMARY KEY (key, window_start));
+CREATE TABLE requests (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, model TEXT NOT NULL, served_by TEXT NOT NULL, route_reason TEXT NOT NULL, input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, latency_ms REAL, ttft_ms REAL, status TEXT NOT NULL, cost_nusd INTEGER NOT NULL, tenant TEXT, usage_source TEXT, upstream_model TEXT);
+INSERT INTO "requests" VALUES(1,1764000000.0,'smollm2','provider/acme','overflow',812,143,950.0,210.0,'ok',420000,'acme','provider','acme-small-1');
+INSERT INTO "requests" VALUES(2,1764000000.0,'smollm2','local/smollm2','local_ok',20,40,120.0,30.0,'200',0,NULL,'provider','smollm2');
+INSERT INTO "requests" VALUES(3,1764000000.0,'smollm2','local/smollm2','local_ok',10,20,80.0,NULL,'200',13000,'beta','estimated',NULL);
+CREATE TABLE reservations (id TEXT NOT NULL, key TEXT NOT NULL, request_id TEXT NOT NULL, amount_nusd INTEGER NOT NULL, created_at REAL NOT NULL, expires_at REAL NOT NULL, PRIMARY KEY (id, key));
+CREATE TABLE spend_buckets (key TEXT NOT NULL, bucket_end INTEGER NOT NULL, nusd INTEGER NOT NULL, PRIMARY KEY (key, bucket_end));
+INSERT INTO "spend_buckets" VALUES('global',1764000060,420000);
+CREATE TABLE tenant_overrides (name TEXT NOT NULL, settings TEXT, version INTEGER NOT NULL, updated_at REAL NOT NULL, PRIMARY KEY (name));
+CREATE TABLE tenant_slots (id TEXT NOT NULL, key TEXT NOT NULL, expires_at REAL NOT NULL, PRIMARY KEY (id));
+CREATE INDEX requests_ts ON requests (ts);
+CREATE INDEX reservations_key ON reservations (key, expires_at);
+CREATE INDEX tenant_slots_key ON tenant_slots (key, expires_at);
+CREATE INDEX tenant_overrides_version ON tenant_overrides (version);
+DELETE FROM "sqlite_sequence";
+INSERT INTO "sqlite_sequence" VALUES('requests',3);
+COMMIT;
