@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-unit clean chromium
+.PHONY: install run test test-unit clean chromium tcmalloc
 .DEFAULT_GOAL := run
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -20,7 +20,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -c 'from lmfleet.models import resolve_source; resolve_source("builtin:smollm2")'
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed tcmalloc
+
+# tcmalloc for the CPU engines' LD_PRELOAD (vLLM's CPU guide; lmfleet preloads it when present): Debian's package,
+# a no-op once installed or on machines with NVIDIA GPUs
+tcmalloc:
+	@[ "$(ENGINE)" != cpu ] || ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  { $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libtcmalloc-minimal4; } >/dev/null \
+	  || echo "lmfleet: could not install libtcmalloc-minimal4 (apt-get as root); CPU engines run without tcmalloc"; }
 
 run: install
 	$(VENV)/bin/lmfleet serve $(ARGS)
