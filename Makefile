@@ -31,7 +31,7 @@ tcmalloc:
 	  || echo "lmfleet: could not install libtcmalloc-minimal4 (apt-get as root); CPU engines run without tcmalloc"; }
 
 run: install
-	$(VENV)/bin/lmfleet serve $(ARGS)
+	@$(VENV)/bin/lmfleet serve $(ARGS)
 
 # headless Chromium (Debian's package) for the dashboard's browser test; a no-op once installed
 chromium:
