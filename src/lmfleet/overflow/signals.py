@@ -20,19 +20,13 @@ How the figures are measured
   the *busy* time in that window (time with at least one local request in flight). Dividing by
   busy time, not wall time, keeps an idle spell from making the engine look slow; while the
   engine is saturated (the only time the rate matters, see the estimator) busy time is wall time.
-  With fewer than ``min_completions`` completions in the window the rate is unknown (``None``); the last rate
-  measured is kept beside it (``last_drain_rps``, not time-limited): on a slow engine a window can hold too few
-  completions while it is busy, and the last measured rate is a better guess than the cold default.
+  With fewer than ``min_completions`` completions in the window the rate is unknown (``None``).
 * **Recent TTFT**: median of the most recent ``ttft_samples`` (256) TTFT samples of the trailing
   window -- of all of them while the window holds no more than that.
 * **Base TTFT** (prefill time without queueing): median of the last ``base_samples`` TTFTs of
   requests that found a free slot when they started (their position, in-flight count including
   themselves and the other gateways' last reported in-flight, was <= ``capacity``). It is not time-limited: under sustained overload no new
   unqueued samples arrive, and the last ones known are the best guess.
-* **First-token model**: the same unqueued requests' TTFT fitted against the prompt tokens to prefill up to theirs
-  (their own, plus the prompts of this gateway's streamed requests in flight without a first token when they
-  started) and the requests then decoding (:mod:`lmfleet.overflow.first_token`), over the last ``first_token_samples``
-  (64) of them, not time-limited either; refitted from running sums when a sample arrives (O(1)).
 * **Engine stats** (optional): vLLM's ``num_requests_running`` / ``num_requests_waiting`` as last
   set by :meth:`LoadTracker.set_engine_stats`; reported only while younger than ``engine_stats_ttl_s``.
 * **Other gateways** (optional, several gateway processes or nodes): their in-flight requests to
@@ -68,8 +62,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmfleet.overflow.first_token import FirstTokenModel, FirstTokenSample, Moments, fit_first_token
-
 __all__ = ["LoadTracker", "QueueSignals", "Ticket"]
 
 
@@ -91,16 +83,6 @@ class QueueSignals:
     completions_in_window: int
     engine_running: int | None = None
     engine_waiting: int | None = None
-    prefilling: int = 0
-    """This gateway's streamed requests in flight that have not had their first token."""
-    prefill_tokens: int = 0
-    """Their prompt tokens."""
-    last_drain_rps: float | None = None
-    """The drain rate last measured (``drain_rps`` of an earlier window, the other gateways' added), whatever its
-    age; None before any. The estimate falls back to it while ``drain_rps`` is unknown."""
-    first_token: FirstTokenModel | None = None
-    """TTFT of a request that does not queue, by the prompt tokens to prefill up to its own and the requests
-    decoding beside it (None: too few samples)."""
 
 
 @dataclass(frozen=True)
@@ -111,12 +93,6 @@ class Ticket:
     position: int
     """In-flight count at start, this request and the other gateways' included (1 = the engine was idle)."""
     prompt_tokens: int
-    serial: int = 0
-    prefill_ahead: int = 0
-    """Prompt tokens of this gateway's streamed requests in flight without a first token when it started."""
-    decoding: int = 0
-    """Requests in flight when it started that were past their first token (or not streamed), the other
-    gateways' included."""
 
 
 class _RecentMedian:
@@ -166,7 +142,6 @@ class LoadTracker:
         min_completions: int = 3,
         base_samples: int = 32,
         ttft_samples: int = 256,
-        first_token_samples: int = 64,
         engine_stats_ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -186,15 +161,6 @@ class LoadTracker:
         self._completion_tokens = 0  # sum of output_tokens over self._completions
         self._ttfts = _RecentMedian(ttft_samples)
         self._base_ttfts = _RecentMedian(base_samples)
-        self._first_token_samples: deque[FirstTokenSample] = deque()
-        self._first_token_max = max(1, first_token_samples)
-        self._first_token_moments = Moments()
-        self._first_token_adds = 0  # since the sums were last recomputed from the samples
-        self._first_token: FirstTokenModel | None = None
-        self._last_drain: float | None = None  # own drain rate last measured
-        self._serial = 0
-        self._prefilling: dict[int, int] = {}  # ticket serial -> prompt tokens, streamed and before the first token
-        self._prefill_tokens = 0  # their sum
         self._busy: deque[tuple[float, float]] = deque()  # closed (start, end) spells with a request in flight
         self._busy_closed_s = 0.0  # sum of end - start over self._busy
         self._busy_since: float | None = None  # start of the open spell, while a request is in flight
@@ -203,35 +169,25 @@ class LoadTracker:
 
     # -- events --------------------------------------------------------------------------------
 
-    def on_start(self, prompt_tokens: int = 0, now: float | None = None, *, streamed: bool = True) -> Ticket:
-        """A local request was sent; keep the returned ticket for the two calls below. ``streamed`` False: no
-        first token will be reported, so it never counts as prefilling (see the first-token model)."""
+    def on_start(self, prompt_tokens: int = 0, now: float | None = None) -> Ticket:
+        """A local request was sent; keep the returned ticket for the two calls below."""
         t = self._now(now)
         if self._in_flight == 0:
             self._busy_since = t
+        self._in_flight += 1
         # its place in the queue every gateway feeds: a request behind the other gateways' is not an unqueued
         # (base TTFT) sample even when this gateway alone holds fewer than capacity
         peers = self._peers
         ahead = peers[1] if peers is not None and t - peers[0] <= self.engine_stats_ttl_s else 0
-        self._serial += 1
-        tk = Ticket(started_at=t, position=self._in_flight + 1 + ahead, prompt_tokens=prompt_tokens,
-                    serial=self._serial, prefill_ahead=self._prefill_tokens,
-                    decoding=self._in_flight - len(self._prefilling) + ahead)
-        self._in_flight += 1
-        if streamed:
-            self._prefilling[tk.serial] = max(0, prompt_tokens)
-            self._prefill_tokens += max(0, prompt_tokens)
-        return tk
+        return Ticket(started_at=t, position=self._in_flight + ahead, prompt_tokens=prompt_tokens)
 
     def on_first_token(self, ticket: Ticket, now: float | None = None, ttft_s: float | None = None) -> float:
         """The first streamed token arrived (skip for non-streamed requests). Returns the TTFT recorded."""
         t = self._now(now)
         ttft = max(0.0, t - ticket.started_at) if ttft_s is None else ttft_s
         self._ttfts.add(t, ttft)
-        self._prefilled(ticket)
         if ticket.position <= self.capacity:
             self._base_ttfts.add(t, ttft)
-            self._add_first_token(FirstTokenSample(ticket.prompt_tokens + ticket.prefill_ahead, ticket.decoding, ttft))
         return ttft
 
     def on_finish(self, ticket: Ticket, output_tokens: int = 0, ok: bool = True, now: float | None = None) -> None:
@@ -239,7 +195,6 @@ class LoadTracker:
         t = self._now(now)
         if self._in_flight == 0:
             raise RuntimeError("on_finish without a matching on_start")
-        self._prefilled(ticket)
         self._in_flight -= 1
         if self._in_flight == 0 and self._busy_since is not None:
             self._busy.append((self._busy_since, t))
@@ -276,8 +231,6 @@ class LoadTracker:
         if n >= self.min_completions and busy > 0:
             drain = n / busy
             tps = self._completion_tokens / busy
-            self._last_drain = drain
-        last_drain = self._last_drain
         running = waiting = None
         if self._engine is not None and t - self._engine[0] <= self.engine_stats_ttl_s:
             _, running, waiting = self._engine
@@ -287,7 +240,6 @@ class LoadTracker:
             in_flight += peer_in_flight
             if peer_drain > 0:  # the engines drain everyone's requests: the drain rate is the sum
                 drain = (drain or 0.0) + peer_drain
-                last_drain = (last_drain or 0.0) + peer_drain
         return QueueSignals(
             now=t,
             in_flight=in_flight,
@@ -298,29 +250,9 @@ class LoadTracker:
             completions_in_window=n,
             engine_running=running,
             engine_waiting=waiting,
-            prefilling=len(self._prefilling),
-            prefill_tokens=self._prefill_tokens,
-            last_drain_rps=last_drain,
-            first_token=self._first_token,
         )
 
     # -- internals -------------------------------------------------------------------------------
-
-    def _prefilled(self, ticket: Ticket) -> None:
-        self._prefill_tokens -= self._prefilling.pop(ticket.serial, 0)
-
-    def _add_first_token(self, sample: FirstTokenSample) -> None:
-        samples, m = self._first_token_samples, self._first_token_moments
-        if len(samples) >= self._first_token_max:
-            m = m.add(samples.popleft(), -1)
-        samples.append(sample)
-        self._first_token_adds += 1
-        if self._first_token_adds >= self._first_token_max:  # sums from scratch now and then: no rounding drift
-            m, self._first_token_adds = Moments.of(samples), 0
-        else:
-            m = m.add(sample)
-        self._first_token_moments = m
-        self._first_token = fit_first_token(m)
 
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else now

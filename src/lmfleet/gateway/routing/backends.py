@@ -52,8 +52,6 @@ class Ask:
     max_model_len: int | None
     spend_caps: tuple[Cap, ...] = ()
     """The tenant's own spend caps (hourly/daily USD on paid providers), reserved beside the fleet's."""
-    stream: bool = True
-    """Streamed: its first token will be reported (the load tracker counts it as prefilling until then)."""
 
 
 @dataclass
@@ -119,7 +117,7 @@ class LocalBackend:
                         not_found_is_transient=True)
 
     async def acquire(self, ask: Ask) -> Any | None:
-        return self.tracker.on_start(ask.prompt_tokens, streamed=ask.stream)
+        return self.tracker.on_start(ask.prompt_tokens)
 
     def first_token(self, slot: Any) -> None:
         self.tracker.on_first_token(slot)
