@@ -35,7 +35,7 @@ from pathlib import Path
 
 from lmfleet.bench.loadgen import LoadPlan, Target, run_load
 from lmfleet.bench.metrics import measurement_window, summarize
-from lmfleet.bench.workload import PromptSynthesizer, parse_mix_inline, sample_requests
+from lmfleet.bench.workload import PromptSynthesizer, fixed_completion_mix, sample_requests
 from lmfleet.net import free_port
 
 LIBS = {
@@ -110,9 +110,7 @@ def one_start(variant: str, model_dir: str, cache: Path, work: Path, synth, args
         out = {"variant": variant, "ready_s": round(time.monotonic() - t0, 1),
                "load_avg_1m": round(os.getloadavg()[0], 1)}
         target = Target(f"http://127.0.0.1:{port}", "m")
-        mix = parse_mix_inline(f"x:1:{args.input_len}:{args.output_len}:completion")
-        mix = type(mix)(tuple(type(c)(c.name, c.weight, c.input_tokens, c.output_tokens, c.api, True)
-                              for c in mix.classes), mix.seed)
+        mix = fixed_completion_mix(args.input_len, args.output_len)
         warm = sample_requests(mix, 4, synth, seed=999)
         asyncio.run(run_load(target, warm, LoadPlan(users=4, num_requests=4, seed=0)))
         for i, c in enumerate(args.concurrency):

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from lmfleet.bench.loadgen import LoadPlan, Target, run_load
 from lmfleet.bench.metrics import measurement_window, summarize
-from lmfleet.bench.workload import PromptSynthesizer, parse_mix_inline, sample_requests
+from lmfleet.bench.workload import PromptSynthesizer, fixed_completion_mix, sample_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,9 +111,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     synth = PromptSynthesizer(AutoTokenizer.from_pretrained(args.tokenizer))
-    mix = parse_mix_inline(f"x:1:{args.input_len}:{args.output_len}:completion")
-    mix = type(mix)(tuple(type(c)(c.name, c.weight, c.input_tokens, c.output_tokens, c.api, True)
-                          for c in mix.classes), mix.seed)
+    mix = fixed_completion_mix(args.input_len, args.output_len)
 
     # fresh prompts for every run (seeded): a repeated prompt would hit vLLM's prefix cache and
     # make that run's prefill cheaper than the other tool's

@@ -504,3 +504,12 @@ def load_dataset(path: Path, n: int, seed: int, tokenizer: Any | None, max_token
         else:
             out.append(BenchRequest("dataset", "completion", n_in, max_tokens, prompt=prompt))
     return out
+
+
+def fixed_completion_mix(input_tokens: int, output_tokens: int) -> WorkloadMix:
+    """One class of completions with exactly ``output_tokens`` out (``ignore_eos``): the fixed shape benchmarks
+    compare tools and engine options on."""
+    import dataclasses
+
+    mix = parse_mix_inline(f"x:1:{input_tokens}:{output_tokens}:completion")
+    return dataclasses.replace(mix, classes=tuple(dataclasses.replace(c, ignore_eos=True) for c in mix.classes))
