@@ -7,12 +7,13 @@ oracle's spend.
 It starts the fake provider (``lmfleet.testing.fast_openai_server --latency-model``: TTFT log-normal, median
 400 ms, P99 1.5 s, 25 ms per output token; priced at ``--price-in``/``--price-out`` $/1M tokens) and
 ``lmfleet serve`` with SmolLM2 on one replica. It measures the replica's capacity on the trace's mix (a closed
-loop of ``max_num_seqs`` users, local only), builds the bursty open-loop trace of ``lmfleet.bench.trace`` from
-it (one seed for every policy), and replays it once per policy per round, alternating policies within each
-round (``POST /admin/overflow`` switches the policy; ``local only`` is overflow forced off). An aiohttp client
-streams every request and records its TTFT and the gateway's headers (``x-lmfleet-served-by``,
-``-route-reason``, ``-hedged``, ``-queue-estimate-ms``); spend comes from the ledger (``/admin/usage`` over the
-run's window, hedge and failover losers included).
+loop of ``max_num_seqs`` users, local only, after ``--warmup-s`` of the same load), builds the bursty open-loop
+trace of ``lmfleet.bench.trace`` from it (one seed for every policy), replays it once local only as a warm-up
+(not counted: a fresh CPU engine's first bursts of simultaneous prefills run several times slower), and then once
+per policy per round, alternating policies within each round (``POST /admin/overflow`` switches the policy;
+``local only`` is overflow forced off). An aiohttp client streams every request and records its TTFT and the
+gateway's headers (``x-lmfleet-served-by``, ``-route-reason``, ``-hedged``, ``-queue-estimate-ms``); spend comes
+from the ledger (``/admin/usage`` over the run's window, hedge and failover losers included).
 
 Per policy (rounds pooled): TTFT SLO attainment (TTFT <= ``--threshold-ms``), TTFT P50/P95/P99, external
 share, dollars and $/1M tokens (prompt + output, all requests), prompt tokens sent to both the local engine
@@ -309,6 +310,8 @@ def main() -> None:
     ap.add_argument("--ttft-timeout-ms", type=float, default=2500)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity measurement")
+    ap.add_argument("--warmup-s", type=float, default=60,
+                    help="seconds of closed-loop load before the capacity is measured (not counted)")
     ap.add_argument("--price-in", type=float, default=0.5, help="provider $/1M prompt tokens")
     ap.add_argument("--price-out", type=float, default=1.5, help="provider $/1M output tokens")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
@@ -390,13 +393,23 @@ def run(args: argparse.Namespace, url: str) -> None:
         dict(duration_s=args.duration, burst_s=2.0, burst_every_s=12.0, long_prompt=(200, 600))
     cal = bursty_trace(TraceSpec(capacity_rps=1.0, **shape), args.seed + 1)
     set_policy(url, LOCAL_ONLY, args.threshold_ms, args.hedge_after_ms, args.ttft_timeout_ms)
-    cap = args.capacity_rps or asyncio.run(closed_loop(url, cal, args.max_num_seqs,
-                                                       5 if args.smoke else 30, args.seed, True))
+    cap = args.capacity_rps
+    if cap is None:
+        # a fresh CPU engine answers its first minute or two of load 2-3x slower: measured then, the capacity
+        # is too low and the trace too light for the warm engine
+        asyncio.run(closed_loop(url, cal, args.max_num_seqs, 2 if args.smoke else args.warmup_s, args.seed, True))
+        cap = asyncio.run(closed_loop(url, cal, args.max_num_seqs, 5 if args.smoke else 30, args.seed, True))
     spec = TraceSpec(capacity_rps=cap, **shape)
     trace = bursty_trace(spec, args.seed)
     print(f"capacity {cap:.2f} req/s; trace: {len(trace)} requests over {args.duration:.0f} s "
           f"(mean {spec.mean_load}x, bursts {spec.burst_load}x, burstiness {spec.burstiness}), seed {args.seed}",
           flush=True)
+    if not args.smoke:
+        # the engine's first bursts of simultaneous prefills run several times slower than later ones (the first
+        # policy replayed would pay for it): one replay of the trace, local only and not counted, first
+        t = time.monotonic()
+        asyncio.run(replay(url, trace, args.seed, ignore_eos=True))
+        print(f"warm-up replay of the trace (local only, not counted): {time.monotonic() - t:.0f} s", flush=True)
     runs: dict[str, list[Outcome]] = {p: [] for p in args.policies}
     spend: dict[str, float] = {p: 0.0 for p in args.policies}
     estimates: dict[str, list[dict]] = {p: [] for p in args.policies}
