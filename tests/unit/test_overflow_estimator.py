@@ -130,7 +130,8 @@ def simulate(capacity, service, arrival_rps, duration_s, seed, ttft0=0.2):
     ],
 )
 def test_estimate_tracks_real_wait_under_steady_overload(capacity, service, overload, seed):
-    mean_service = statistics.mean(service(random.Random(99)) for _ in range(20000))
+    rng = random.Random(99)
+    mean_service = statistics.mean(service(rng) for _ in range(20000))
     pairs = simulate(capacity, service, arrival_rps=overload * capacity / mean_service, duration_s=240.0, seed=seed)
     queued = [(e, a) for e, a in pairs if a > 1000.0]
     assert len(queued) > 100
