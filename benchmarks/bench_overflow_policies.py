@@ -11,7 +11,8 @@ loop of ``max_num_seqs`` users, local only, after ``--warmup-s`` of the same loa
 trace of ``lmfleet.bench.trace`` from it (one seed for every policy), replays it once local only as a warm-up
 (not counted: a fresh CPU engine's first bursts of simultaneous prefills run several times slower), and then once
 per policy per round, alternating policies within each round (``POST /admin/overflow`` switches the policy;
-``local only`` is overflow forced off). An aiohttp client streams every request and records its TTFT and the
+``local only`` is overflow forced off; the gateway's miss margin, learned from the requests kept local, carries
+over from one policy to the next as it would in service). An aiohttp client streams every request and records its TTFT and the
 gateway's headers (``x-lmfleet-served-by``, ``-route-reason``, ``-hedged``, ``-queue-estimate-ms``); spend comes
 from the ledger (``/admin/usage`` over the run's window, hedge and failover losers included).
 
@@ -308,6 +309,8 @@ def main() -> None:
     ap.add_argument("--threshold-ms", type=float, default=2500, help="the TTFT SLO and overflow threshold")
     ap.add_argument("--hedge-after-ms", type=float, default=1500)
     ap.add_argument("--ttft-timeout-ms", type=float, default=2500)
+    ap.add_argument("--miss-quantile", type=float, default=0.9,
+                    help="the fleet's overflow.miss_quantile (the miss margin's quantile; docs/overflow.md)")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity measurement")
     ap.add_argument("--warmup-s", type=float, default=60,
@@ -352,7 +355,7 @@ models:
     engine: {{max_model_len: 4096, cpu_kvcache_space_gib: 1, max_num_seqs: {args.max_num_seqs}}}
     deployment: {{max_ongoing_requests: {args.max_num_seqs}, request_timeout_s: 600}}
     cost: {{node_hour_usd: 0.10}}
-    overflow: {{threshold_ms: {args.threshold_ms}}}
+    overflow: {{threshold_ms: {args.threshold_ms}, miss_quantile: {args.miss_quantile}}}
 """)
     env = {**os.environ, "BENCH_ADMIN": ADMIN, "BENCH_PROVIDER_KEY": PKEY}
     procs = [
@@ -364,16 +367,24 @@ models:
                          stdout=(out / "serve.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True),
     ]
     url = f"http://127.0.0.1:{gport}"
+    # SIGINT too: a shell that starts this in the background (no job control) leaves SIGINT ignored
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the finally below ends what was started
+        signal.signal(sig, interrupted)
     try:
         t_start = time.monotonic()
         wait_ready(f"{url}/ready", 1800, procs)
         print(f"fleet ready after {time.monotonic() - t_start:.0f} s at {url}", flush=True)
         if args.serve_only:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            while True:
+                signal.pause()
         else:
             run(args, url)
+    except KeyboardInterrupt as e:
+        print(f"interrupted ({e}): stopping the fleet", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second signal does not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGINT)
@@ -382,6 +393,10 @@ models:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+def interrupted(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run(args: argparse.Namespace, url: str) -> None:
@@ -444,7 +459,8 @@ def run(args: argparse.Namespace, url: str) -> None:
             print(f"oracle: not computed ({e})", flush=True)
     print(f"\nload at end: {load()}")
     print(f"\nthreshold {args.threshold_ms:.0f} ms, hedge_after {args.hedge_after_ms:.0f} ms, ttft_timeout "
-          f"{args.ttft_timeout_ms:.0f} ms, {args.rounds} round(s), provider $ {args.price_in}/{args.price_out} "
+          f"{args.ttft_timeout_ms:.0f} ms, miss_quantile {args.miss_quantile}, {args.rounds} round(s), "
+          f"provider $ {args.price_in}/{args.price_out} "
           "per 1M in/out\n")
     print(table(results, oracle["spend_usd"] if oracle else None))
     if oracle:
@@ -457,7 +473,8 @@ def run(args: argparse.Namespace, url: str) -> None:
     summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "capacity_rps": cap,
                "trace": asdict(spec), "requests_per_round": len(trace), "seed": args.seed,
                "threshold_ms": args.threshold_ms, "hedge_after_ms": args.hedge_after_ms,
-               "ttft_timeout_ms": args.ttft_timeout_ms, "rounds": args.rounds, "results": results,
+               "ttft_timeout_ms": args.ttft_timeout_ms, "miss_quantile": args.miss_quantile, "rounds": args.rounds,
+               "results": results,
                "oracle": oracle, "estimate": estimates}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (out / "outcomes.jsonl").write_text("".join(

@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from lmfleet.overflow.policy import HysteresisState
 from lmfleet.testing.gateway_fakes import make_gateway, sse_events, started_client, stream_response
 from tests.unit.test_gateway_routing import CHAT, ok_local, provider_ok
 
@@ -189,3 +190,45 @@ async def test_a_batch_request_is_hedged_only_when_its_tenant_may_pay(tmp_path, 
     r = await c.post("/v1/chat/completions", json=STREAM, headers=key("a"))
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == served_by
     assert ("x-lmfleet-hedged" in r.headers) is hedged
+
+
+async def test_the_miss_margin_moves_the_decision_not_the_estimate(tmp_path):
+    app = make_gateway(tmp_path, ok_local, {"p": provider_ok})  # threshold 1000 ms; idle: cold estimate 1000 ms
+    c = await started_client(app)
+    m = app.state.gateway.models["m"]
+    for _ in range(8):  # recent requests predicted at 1000 ms waited 1600: margin 600, capped at threshold/2
+        m.margin.observe(predicted_ms=1000, realised_ms=1600, threshold_ms=m.threshold_ms)
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.headers["x-lmfleet-served-by"] == "provider/p"
+    assert r.headers["x-lmfleet-route-reason"] == "queue_estimate_above_threshold"
+    assert r.headers["x-lmfleet-queue-estimate-ms"] == "1000"  # the estimate itself; 1000 + 500 decided
+    assert (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]["miss_margin_ms"] == 500
+    assert _count(app, "lmfleet_overflow_miss_margin_ms", model="m") == 500
+    await _policy(c, threshold_ms=2500)  # the samples (predicted 1000) are not near 2500: no margin, kept local
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.headers["x-lmfleet-served-by"] == "local/m" and len(m.margin) == 8
+    assert (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]["miss_margin_ms"] == 0
+
+
+async def test_an_estimate_below_the_margins_band_stays_local_whatever_the_margin(tmp_path):
+    app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
+    c = await started_client(app)
+    await _policy(c, threshold_ms=2500)  # idle: cold estimate 1000 ms, under 2500 / 2
+    m = app.state.gateway.models["m"]
+    for _ in range(8):  # a burst's requests predicted at 1700 waited 4000: the margin is at its cap
+        m.margin.observe(predicted_ms=1700, realised_ms=4000, threshold_ms=2500)
+    m.hysteresis = HysteresisState(overflowing=True)  # the burst left the model overflowing: its bar is 2000 ms
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.headers["x-lmfleet-served-by"] == "local/m"  # 1000 + 1250 would have kept it overflowing
+    assert not m.hysteresis.overflowing
+    assert (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]["miss_margin_ms"] == 1250
+
+
+async def test_local_answers_and_local_attempts_cancelled_before_a_first_token_feed_the_margin(tmp_path):
+    app = make_gateway(tmp_path, slow(["late"], 3.0), {"p": provider_ok})
+    c = await started_client(app)
+    await _policy(c, policy="hedge", hedge_after_ms=200)
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert r.headers["x-lmfleet-route-reason"] == "hedge_won"
+    m = app.state.gateway.models["m"]
+    assert len(m.margin) == 1  # the cancelled local attempt: it had waited at least until the hedge won

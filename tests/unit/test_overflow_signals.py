@@ -70,14 +70,31 @@ def test_ttft_and_base_ttft(starts_ttfts, capacity, ttft, base):
     assert s.base_ttft_s == (pytest.approx(base) if base is not None else None)
 
 
-def test_base_ttft_survives_window_but_recent_ttft_does_not():
+@pytest.mark.parametrize("now,ttft,base", [
+    (20.0, 0.25, 0.25),
+    (50.0, None, 0.25),   # the recent TTFT has left its 30 s window; the base TTFT lasts base_ttl_s (60 s)
+    (100.0, None, None),  # gone too: the estimator's cold default stands in
+])
+def test_base_ttft_outlives_the_window_but_not_base_ttl(now, ttft, base):
     tr = LoadTracker(capacity=1, window_s=30.0)
     tk = tr.on_start(now=0.0)
     tr.on_first_token(tk, now=0.25)
     tr.on_finish(tk, 5, now=1.0)
-    s = tr.snapshot(now=100.0)
-    assert s.ttft_s is None
-    assert s.base_ttft_s == 0.25
+    s = tr.snapshot(now=now)
+    assert s.ttft_s == ttft
+    assert s.base_ttft_s == base
+
+
+def test_a_slow_base_ttft_from_a_burst_does_not_hold_an_idle_engine_above_the_threshold():
+    from lmfleet.overflow.estimator import estimate_wait_ms
+
+    tr = LoadTracker(capacity=8)
+    for i in range(8):  # a burst: every request found a free slot, and took 5.4 s to its first token
+        tk = tr.on_start(now=0.0)
+        tr.on_first_token(tk, now=5.4)
+        tr.on_finish(tk, 10, now=6.0 + i)
+    assert estimate_wait_ms(tr.snapshot(now=20.0), 8) == pytest.approx(5400)  # everything overflows, so ...
+    assert estimate_wait_ms(tr.snapshot(now=70.0), 8) == pytest.approx(1000)  # ... until the cold default returns
 
 
 def test_explicit_ttft_overrides_clock():

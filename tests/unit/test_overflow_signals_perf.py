@@ -11,6 +11,7 @@ import pytest
 from lmfleet.overflow.signals import LoadTracker
 
 WINDOW_S = 30.0
+BASE_TTL_S = 60.0  # LoadTracker's default base_ttl_s
 
 
 class Oracle:
@@ -22,7 +23,7 @@ class Oracle:
         self.spells: list[list[float]] = []  # [start, end]; end = inf while busy
         self.completions: list[tuple[float, int]] = []
         self.ttfts: list[tuple[float, float]] = []
-        self.base: list[float] = []
+        self.base: list[tuple[float, float]] = []
 
     def start(self, t):
         if self.in_flight == 0:
@@ -33,7 +34,7 @@ class Oracle:
     def first(self, t, ttft, position):
         self.ttfts.append((t, ttft))
         if position <= self.capacity:
-            self.base.append(ttft)
+            self.base.append((t, ttft))
 
     def finish(self, t, tokens, ok):
         self.in_flight -= 1
@@ -47,6 +48,7 @@ class Oracle:
         done = [tok for t, tok in self.completions if t >= horizon]
         busy = sum(max(0.0, min(e, now) - max(s, horizon)) for s, e in self.spells if e >= horizon)
         recent = [x for t, x in self.ttfts if t >= horizon][-self.ttft_samples:]
+        base = [x for t, x in self.base[-self.base_samples:] if t >= now - BASE_TTL_S]
         drain = len(done) / busy if len(done) >= 3 and busy > 0 else None
         return {
             "in_flight": self.in_flight,
@@ -54,7 +56,7 @@ class Oracle:
             "drain_rps": drain,
             "output_tps": sum(done) / busy if drain is not None else None,
             "ttft_s": statistics.median(recent) if recent else None,
-            "base_ttft_s": statistics.median(self.base[-self.base_samples:]) if self.base else None,
+            "base_ttft_s": statistics.median(base) if base else None,
         }
 
 

@@ -38,6 +38,7 @@ from lmfleet.gateway.observe.tracing import request_tracer
 from lmfleet.gateway.relay.upstream import HttpPool
 from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, providers_for
 from lmfleet.overflow.policies import PolicyTimers
+from lmfleet.overflow.margin import MissMargin
 from lmfleet.store import (
     Cap,
     SpendStore,
@@ -211,7 +212,7 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
             local=LocalBackend(c, a.base_url(serve_url), local_client, tracker, health, meter),
             providers=[providers[p.name] for p in providers_for(c, fleet.providers)],
             threshold_ms=a.threshold_ms, queue=DispatchQueue(_queue_slots(a)) if fleet.tenants else None,
-            timers=PolicyTimers.from_config(c.overflow))
+            timers=PolicyTimers.from_config(c.overflow), margin=MissMargin(c.overflow.miss_quantile))
 
     engine_stats = None
     if fetch_engine_metrics is not None and fleet.gateway.engine_metrics_poll_s > 0:

@@ -1,6 +1,6 @@
 """Queue-aware overflow: load signals, wait estimate, routing policy, breaker, budget and cost.
 
-Pure decision modules (no I/O): ``signals``, ``estimator``, ``policy``, ``breaker``, ``budget``, ``cost``,
+Pure decision modules (no I/O): ``signals``, ``estimator``, ``margin``, ``policy``, ``breaker``, ``budget``, ``cost``,
 ``money`` (integer nano-dollars). The ledger and the spend store (SQLite or PostgreSQL) are ``lmfleet.store``.
 See docs/overflow.md.
 """

@@ -13,7 +13,8 @@ Order of the checks (first match wins)::
       healthy candidates, all at max_concurrency        -> local   "providers_at_capacity"
       first healthy candidate with headroom             -> NAME    "queue_estimate_above_threshold" / "forced_overflow"
 
-Hysteresis: *pressure* is ``estimate_ms > threshold_ms`` while not overflowing, and
+``estimate_ms`` is what the route weighs: the gateway passes the predicted wait plus the miss margin
+(:mod:`lmfleet.overflow.margin`). Hysteresis: *pressure* is ``estimate_ms > threshold_ms`` while not overflowing, and
 ``estimate_ms > threshold_ms * (1 - hysteresis)`` while overflowing, so the route does not flap
 around the threshold. The caller owns the state: it passes the model's current
 :class:`HysteresisState` and stores ``decision.state`` for the next request. The state follows

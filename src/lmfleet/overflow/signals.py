@@ -25,8 +25,13 @@ How the figures are measured
   window -- of all of them while the window holds no more than that.
 * **Base TTFT** (prefill time without queueing): median of the last ``base_samples`` TTFTs of
   requests that found a free slot when they started (their position, in-flight count including
-  themselves and the other gateways' last reported in-flight, was <= ``capacity``). It is not time-limited: under sustained overload no new
-  unqueued samples arrive, and the last ones known are the best guess.
+  themselves and the other gateways' last reported in-flight, was <= ``capacity``) in the last
+  ``base_ttl_s`` (60 s); with none, the estimator's cold default (``cold_ttft_s``). The limit matters
+  when the last samples were slow (taken during a burst, when a free slot still meant sharing the
+  engine with seven prefills): kept for ever, an idle engine would be predicted at that slow time, every
+  request would overflow, and none would come back to measure it again. Under sustained overload
+  no new unqueued samples arrive and the cold default stands in, beside a queue term that
+  dominates the estimate anyway.
 * **Engine stats** (optional): vLLM's ``num_requests_running`` / ``num_requests_waiting`` as last
   set by :meth:`LoadTracker.set_engine_stats`; reported only while younger than ``engine_stats_ttl_s``.
 * **Other gateways** (optional, several gateway processes or nodes): their in-flight requests to
@@ -143,6 +148,7 @@ class LoadTracker:
         base_samples: int = 32,
         ttft_samples: int = 256,
         engine_stats_ttl_s: float = 10.0,
+        base_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity < 1:
@@ -155,6 +161,7 @@ class LoadTracker:
         self.window_s = window_s
         self.min_completions = max(1, min_completions)
         self.engine_stats_ttl_s = engine_stats_ttl_s
+        self.base_ttl_s = base_ttl_s
         self._clock = clock
         self._in_flight = 0
         self._completions: deque[tuple[float, int]] = deque()  # (finished_at, output_tokens)
@@ -263,6 +270,7 @@ class LoadTracker:
         while completions and completions[0][0] < horizon:
             self._completion_tokens -= completions.popleft()[1]
         self._ttfts.expire(horizon)
+        self._base_ttfts.expire(now - self.base_ttl_s)
         busy = self._busy
         while busy and busy[0][1] < horizon:
             start, end = busy.popleft()

@@ -156,6 +156,9 @@ class GatewayMetrics:
         self.cost = Counter("lmfleet_cost_usd", "Cost of served requests in USD.", ["model", "served_by"], registry=r)
         self.queue_estimate = Gauge("lmfleet_queue_estimate_ms", "Latest predicted local wait before first token.",
                                     ["model"], registry=r, multiprocess_mode="livemostrecent")
+        self.miss_margin = Gauge("lmfleet_overflow_miss_margin_ms", "Margin added to the predicted local wait "
+                                 "before it is compared with the overflow threshold (overflow.miss_quantile).",
+                                 ["model"], registry=r, multiprocess_mode="livemostrecent")
         self.overflowed = Counter("lmfleet_routed", "Routing decisions by model, target and reason.",
                                   ["model", "target", "reason"], registry=r)
         self.hedges = Counter("lmfleet_hedges", "Hedged requests (overflow.policy hedge), by model and outcome: "

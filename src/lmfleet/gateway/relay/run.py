@@ -575,8 +575,13 @@ class RequestRun:
         return h
 
     def _record(self, b: Backend, slot: Any, o: Outcome) -> None:
-        if b is self.m.local and o.predicted_wait_ms is None:  # the estimate's error is measured on local answers
-            o = dataclasses.replace(o, predicted_wait_ms=self.plan.estimate_ms)
+        if b is self.m.local:  # the estimate's error is measured on local answers; the miss margin learns from it
+            predicted = self.plan.estimate_ms if o.predicted_wait_ms is None else o.predicted_wait_ms
+            o = dataclasses.replace(o, predicted_wait_ms=predicted)
+            if o.ttft_s is not None and o.status == 200:
+                self.m.margin.observe(predicted, o.ttft_s * 1000, self.m.threshold_ms)
+            elif o.ttft_s is None and o.status == CANCELLED:  # cancelled before its first token: waited at least this
+                self.m.margin.observe(predicted, (time.monotonic() - self.t0) * 1000, self.m.threshold_ms)
         self.outcome = o
         if self._relay_span is not None:
             self.tracer.end_relay(self._relay_span, o.status, o.output_tokens)  # type: ignore[union-attr]

@@ -40,6 +40,7 @@ from lmfleet.overflow import (
     estimate_wait_ms,
 )
 from lmfleet.overflow.budget import DAY_S
+from lmfleet.overflow.margin import applied_margin_ms
 from lmfleet.overflow.policy import LOCAL
 from lmfleet.overflow.policies import Action, AttemptState, Permissions, Policy, PolicyTimers, next_step
 from lmfleet.store import Cap, Ledger, StoreUnavailable, caps_for_budget, tenant_key
@@ -50,6 +51,8 @@ log = logging.getLogger("lmfleet.gateway")
 BUDGET_CACHE_S = 1.0
 
 
+_LOCAL_FIRST = frozenset({Policy.TTFT_TIMEOUT, Policy.ON_ERROR})
+"""Policies that send every request locally first, whatever the estimate."""
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 _NO_WAITING: Mapping[int, int] = MappingProxyType({})
 
@@ -198,7 +201,12 @@ class Router:
         if local_down and mode is not OverflowMode.FORCE_OFF and candidates:
             mode = OverflowMode.FORCE_ON  # anyone healthy beats a 503
         o = m.app.cfg.overflow
-        d = decide(model=m.name, estimate_ms=estimate, threshold_ms=m.threshold_ms, hysteresis=o.hysteresis,
+        # the decision weighs the estimate plus the miss margin (how much longer than predicted recent requests near
+        # the threshold waited); the plan, its header and the ledger keep the estimate itself
+        margin = m.margin.margin_ms(m.threshold_ms)
+        self._child(self.metrics.miss_margin, m.name).set(margin)
+        d = decide(model=m.name, estimate_ms=estimate + applied_margin_ms(estimate, margin, m.threshold_ms),
+                   threshold_ms=m.threshold_ms, hysteresis=o.hysteresis,
                    state=m.hysteresis, mode=mode, enabled=o.enabled or m.mode is OverflowMode.FORCE_ON,
                    budget=budget, on_exhausted=self.budget.on_exhausted, candidates=candidates,
                    store_down=store_down, peers_overflowing=m.peers_overflowing())
@@ -209,7 +217,7 @@ class Router:
             m.hysteresis = d.state
         reason: Reason = (Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider
                                             else d.reason)
-        if (d.reason is Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD and m.timers.policy is not Policy.PREDICTIVE
+        if (d.reason is Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD and m.timers.policy in _LOCAL_FIRST
                 and (cls is None or cls.max_wait_s is None)):  # a batch class's deadline is the tenant's rule
             d, reason = self._policy_admission(m, d, estimate, cls, tenant)
         if tenant is not None and cls is not None and self.tenants is not None:
@@ -223,8 +231,9 @@ class Router:
     @staticmethod
     def _policy_admission(m: ServedModel, d: RouteDecision, estimate: float, cls: PriorityClass | None,
                           tenant: Tenant | None) -> tuple[RouteDecision, Reason]:
-        """``decide()`` would spill ``d`` on the estimate; ``overflow.policy`` has the last word
-        (:func:`lmfleet.overflow.policies.next_step` at admission): ttft_timeout and on_error keep it local."""
+        """``decide()`` would spill ``d`` on the estimate; under ttft_timeout and on_error,
+        :func:`lmfleet.overflow.policies.next_step` at admission keeps it local. (predictive and hedge admit as
+        ``decide()`` does: its hysteresis band and the miss margin included.)"""
         step = next_step(m.timers, now=time.monotonic(), estimate_ms=estimate, threshold_ms=m.threshold_ms,
                          permissions=_permissions(cls, tenant), provider_open=True, attempt=AttemptState())
         if step.action is Action.SEND_LOCAL:

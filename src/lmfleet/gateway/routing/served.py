@@ -14,6 +14,7 @@ from lmfleet.gateway.front.validation import ParsedRequest, check_context
 from lmfleet.gateway.routing.backends import LocalBackend, ProviderBackend
 from lmfleet.gateway.routing.tokens import count_prompt_tokens, template_overhead, token_bounds
 from lmfleet.overflow import HysteresisState, OverflowMode
+from lmfleet.overflow.margin import MissMargin
 from lmfleet.overflow.policies import PolicyTimers
 from lmfleet.tenants.queue import DispatchQueue
 
@@ -35,6 +36,8 @@ class ServedModel:
     """The priority queue in front of its local slots (None: no tenants configured; Serve's FIFO queue only)."""
     timers: PolicyTimers = field(default_factory=PolicyTimers)
     """``overflow.policy`` and its timers (the operator may change them at run time: POST /admin/overflow)."""
+    margin: MissMargin = field(default_factory=MissMargin)
+    """How much longer than predicted its recent near-threshold local requests waited (``overflow.miss_quantile``)."""
     _peers_overflowing: tuple[float, bool] = field(default=(0.0, False), repr=False)
 
     PEERS_OVERFLOWING_TTL_S = 2.0

@@ -1,0 +1,76 @@
+"""The miss margin (lmfleet.overflow.margin): the quantile of recent near-threshold under-predictions, as a table,
+and the window that feeds it."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmfleet.overflow.margin import MIN_SAMPLES, WINDOW_S, MissMargin, applied_margin_ms, miss_margin_ms
+
+
+@pytest.mark.parametrize("errors,quantile,cap,expected", [
+    ([], 0.9, 1250, 0.0),                                      # nothing seen: no margin
+    ([900.0] * (MIN_SAMPLES - 1), 0.9, 1250, 0.0),             # too few to trust
+    ([900.0] * MIN_SAMPLES, 0.9, 1250, 900.0),
+    ([900.0] * MIN_SAMPLES, None, 1250, 0.0),                  # miss_quantile null: the estimate alone decides
+    ([-500.0] * 10, 0.9, 1250, 0.0),                           # over-predicted: never a negative margin
+    ([3000.0] * 10, 0.9, 1250, 1250.0),                        # capped: an idle engine's requests stay local
+    ([float(e) for e in range(0, 1000, 100)], 0.9, 1250, 810.0),  # 0..900: P90 by linear interpolation
+    ([float(e) for e in range(0, 1000, 100)], 0.5, 1250, 450.0),
+    ([-400.0] * 8 + [2000.0, 2000.0], 0.8, 1250, 80.0),        # 2 big misses in 10 barely move P80
+    ([-400.0] * 8 + [2000.0, 2000.0], 0.9, 1250, 1250.0),      # ... but set P90 (2000, capped)
+])
+def test_miss_margin(errors, quantile, cap, expected):
+    assert miss_margin_ms(errors, quantile, cap) == pytest.approx(expected)
+
+
+def test_only_requests_predicted_near_the_threshold_count():
+    m = MissMargin(0.9)
+    for _ in range(20):
+        m.observe(predicted_ms=300, realised_ms=4000, threshold_ms=2500, now=0.0)  # an unqueued request: left out
+        m.observe(predicted_ms=9000, realised_ms=20000, threshold_ms=2500, now=0.0)  # far above: left out
+    assert m.margin_ms(2500, now=1.0) == 0.0
+    for _ in range(MIN_SAMPLES):
+        m.observe(predicted_ms=1700, realised_ms=2600, threshold_ms=2500, now=0.0)
+    assert m.margin_ms(2500, now=1.0) == pytest.approx(900.0)
+
+
+def test_old_samples_leave_the_window():
+    m = MissMargin(0.9)
+    for _ in range(MIN_SAMPLES):
+        m.observe(1700, 2600, 2500, now=0.0)
+    assert m.margin_ms(2500, now=WINDOW_S - 1) == pytest.approx(900.0)
+    assert m.margin_ms(2500, now=WINDOW_S + 1) == 0.0
+
+
+@pytest.mark.parametrize("threshold,expected", [
+    (2500, 900.0),   # 1700 is within 0.5-1.5 x 2500
+    (1200, 600.0),   # within 0.5-1.5 x 1200 too; capped at half the new threshold
+    (4000, 0.0),     # 1700 < 0.5 x 4000: not near the new threshold
+])
+def test_a_new_threshold_uses_the_samples_near_it(threshold, expected):
+    m = MissMargin(0.9)
+    for _ in range(MIN_SAMPLES):
+        m.observe(1700, 2600, 2500, now=0.0)
+    assert m.margin_ms(threshold, now=1.0) == pytest.approx(expected)
+
+
+def test_no_quantile_learns_nothing_and_a_bad_one_is_refused():
+    m = MissMargin(None)
+    for _ in range(20):
+        m.observe(1700, 5000, 2500, now=0.0)
+    assert m.margin_ms(2500, now=1.0) == 0.0
+    with pytest.raises(ValueError, match="quantile"):
+        MissMargin(1.0)
+
+
+@pytest.mark.parametrize("estimate,margin,threshold,expected", [
+    (1700, 900, 2500, 900),     # queued near the threshold: the margin applies
+    (1250, 900, 2500, 900),     # the band's edge
+    (1000, 1250, 2500, 0),      # a free slot, or an idle engine after a burst: stays local on its estimate
+    (300, 1250, 2500, 0),
+    (4000, 900, 2500, 900),     # above the threshold anyway
+    (1700, 0, 2500, 0),         # nothing learned
+])
+def test_the_margin_applies_to_estimates_in_its_band(estimate, margin, threshold, expected):
+    assert applied_margin_ms(estimate, margin, threshold) == expected
