@@ -37,8 +37,8 @@ from lmfleet.gateway.routing.tokens import load_tokenizer_or_none
 from lmfleet.gateway.observe.tracing import request_tracer
 from lmfleet.gateway.relay.upstream import HttpPool
 from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, providers_for
-from lmfleet.overflow.policies import PolicyTimers
 from lmfleet.overflow.margin import MissMargin
+from lmfleet.overflow.policies import PolicyTimers
 from lmfleet.store import (
     Cap,
     SpendStore,
