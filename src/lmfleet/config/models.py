@@ -318,8 +318,8 @@ class OverflowPolicyConfig(_Strict):
     miss_quantile: float | None = Field(
         0.9, gt=0, lt=1, description="The route spills when the predicted local wait plus a margin exceeds "
         "threshold_ms; the margin is this quantile of how much longer than predicted the recent requests kept "
-        "local near the threshold (predicted at 0.5-1.5x of it, last 2 minutes) waited, added to estimates of threshold_ms/2 or more, at most "
-        "threshold_ms/2. Raise it (0.95) when a request over the threshold costs more than a provider call; "
+        "local near the threshold (predicted at 0.5-1.5x of it, last 2 minutes) waited, added to estimates of "
+        "threshold_ms/2 or more, at most threshold_ms/2. Raise it (0.95) when a request over the threshold costs more than a provider call; "
         "lower it (0.5) to spend less; null: the estimate alone decides (docs/overflow.md, the miss margin)."
     )
     providers: list[str] | None = Field(None, description="Provider names in priority order. Null: all, in file order.")

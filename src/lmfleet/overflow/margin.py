@@ -15,8 +15,9 @@ time, say nothing about the queued ones; a request predicted far above it, kept 
 little about the decision at the threshold), and only recent ones (``WINDOW_S``), so the margin follows the load
 and an old burst does not keep spilling requests. The samples describe the estimate against this engine, not the
 policy: they carry over when an operator switches the policy or mode, and the band is applied against the
-threshold in force when the margin is asked for, so a new threshold uses the samples near it. A local request cancelled before its first token (a
-hedge won, or the client left) counts with the time it had waited when cancelled: a lower bound of its wait.
+threshold in force when the margin is asked for, so a new threshold uses the samples near it. A local request
+cancelled before its first token (a hedge won, or the client left) counts with the time it had waited when
+cancelled: a lower bound of its wait.
 The margin is added only to estimates in the band it is learned on (``BAND[0] x threshold`` or more,
 :func:`applied_margin_ms`): a request that would find a free slot, or an idle engine's, is predicted at the prefill
 time and stays local on its own estimate, so new samples keep coming in even after a burst has pushed the margin

@@ -576,8 +576,10 @@ class RequestRun:
 
     def _record(self, b: Backend, slot: Any, o: Outcome) -> None:
         if b is self.m.local:  # the estimate's error is measured on local answers; the miss margin learns from it
-            predicted = self.plan.estimate_ms if o.predicted_wait_ms is None else o.predicted_wait_ms
-            o = dataclasses.replace(o, predicted_wait_ms=predicted)
+            predicted = o.predicted_wait_ms
+            if predicted is None:
+                predicted = self.plan.estimate_ms
+                o = dataclasses.replace(o, predicted_wait_ms=predicted)
             if o.ttft_s is not None and o.status == 200:
                 self.m.margin.observe(predicted, o.ttft_s * 1000, self.m.threshold_ms)
             elif o.ttft_s is None and o.status == CANCELLED:  # cancelled before its first token: waited at least this
