@@ -297,11 +297,11 @@ def _idle_rate(cluster: Cluster, hosts: list[str], seconds: float = 5.0) -> dict
 
 
 def _assert_all_busy(busy: dict[str, float], idle: dict[str, float]) -> None:
-    # a worker that serves spends >= 0.1 CPU s/s more than at rest (measured 0.18-0.66 more); one that
-    # serves nothing stays within a few hundredths of its idle rate. (2x idle + 0.05 failed a CI run at
-    # busy 0.311 vs idle 0.132 for a worker that did serve.)
+    # measured over idle: +0.18 to +0.66 CPU s/s for a worker sharing the load, +0.09 and +0.097 for one the
+    # other worker outpaced (most requests went there), +0.03 right after a join; a worker that never serves
+    # stays within a few hundredths, so 0.06 separates them. (2x idle + 0.05 failed a CI run at busy 0.311 vs idle 0.132 for a worker that served.)
     for h, rate in busy.items():
-        assert rate - idle[h] > 0.1, f"{h} did no work under load: busy={busy} idle={idle} (CPU s/s)"
+        assert rate - idle[h] > 0.06, f"{h} did no work under load: busy={busy} idle={idle} (CPU s/s)"
 
 
 def _assert_all_serve(cluster: Cluster, hosts: list[str]) -> None:
@@ -312,7 +312,7 @@ def _assert_all_serve(cluster: Cluster, hosts: list[str]) -> None:
     idle = _idle_rate(cluster, hosts)
     busy = _served_by(cluster, hosts)
     print(f"\nworker CPU s/s: idle {idle}, under load {busy}")
-    if any(rate - idle[h] <= 0.1 for h, rate in busy.items()):
+    if any(rate - idle[h] <= 0.06 for h, rate in busy.items()):
         idle = _idle_rate(cluster, hosts)
         busy = _served_by(cluster, hosts, n=48)
         print(f"worker CPU s/s, second measurement: idle {idle}, under load {busy}")
