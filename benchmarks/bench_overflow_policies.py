@@ -11,10 +11,12 @@ loop of ``max_num_seqs`` users, local only, after ``--warmup-s`` of the same loa
 trace of ``lmfleet.bench.trace`` from it (one seed for every policy), replays it once local only as a warm-up
 (not counted: a fresh CPU engine's first bursts of simultaneous prefills run several times slower), and then once
 per policy per round, alternating policies within each round (``POST /admin/overflow`` switches the policy;
-``local only`` is overflow forced off; the gateway's miss margin, learned from the requests kept local, carries
-over from one policy to the next as it would in service). An aiohttp client streams every request and records its TTFT and the
-gateway's headers (``x-lmfleet-served-by``, ``-route-reason``, ``-hedged``, ``-queue-estimate-ms``); spend comes
-from the ledger (``/admin/usage`` over the run's window, hedge and failover losers included).
+``local only`` is overflow forced off; the gateway's miss margin and prefill slope, learned from the requests kept
+local, carry over from one policy to the next as they would in service). Every replay sends fresh prompt text of
+the same lengths: vLLM's prefix cache would otherwise serve the long prompts from the replay before. An aiohttp
+client streams every request and records its TTFT and the gateway's headers (``x-lmfleet-served-by``,
+``-route-reason``, ``-hedged``, ``-queue-estimate-ms``); spend comes from the ledger (``/admin/usage`` over the
+run's window, hedge and failover losers included).
 
 Per policy (rounds pooled): TTFT SLO attainment (TTFT <= ``--threshold-ms``), TTFT P50/P95/P99, external
 share, dollars and $/1M tokens (prompt + output, all requests), prompt tokens sent to both the local engine
@@ -165,15 +167,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prompt_text(r: TraceRequest, seed: int) -> str:
-    rng = random.Random(seed * 1_000_003 + r.index)
+def prompt_text(r: TraceRequest, seed: int, salt: int = 0) -> str:
+    """The request's prompt: ``r.prompt_tokens`` random words. ``salt``: which replay sends it; every replay sends
+    fresh text of the same lengths, so that vLLM's prefix cache does not serve a replay's long prompts from an
+    earlier one (a prefilled 2,500-token prompt answers in a fraction of the uncached time)."""
+    rng = random.Random((seed * 1_000_003 + r.index) * 65_537 + salt)
     return " ".join(rng.choice(WORDS) for _ in range(r.prompt_tokens))
 
 
-async def send(session, url: str, r: TraceRequest, seed: int, t0: float, ignore_eos: bool) -> Outcome:
+async def send(session, url: str, r: TraceRequest, seed: int, t0: float, ignore_eos: bool, salt: int = 0) -> Outcome:
     import aiohttp
 
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt_text(r, seed)}],
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt_text(r, seed, salt)}],
             "max_tokens": r.output_tokens, "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
@@ -206,8 +211,8 @@ async def send(session, url: str, r: TraceRequest, seed: int, t0: float, ignore_
     return o
 
 
-async def replay(url: str, trace: list[TraceRequest], seed: int, ignore_eos: bool) -> list[Outcome]:
-    """Send every request at its arrival time (open loop), whatever the answers."""
+async def replay(url: str, trace: list[TraceRequest], seed: int, ignore_eos: bool, salt: int) -> list[Outcome]:
+    """Send every request at its arrival time (open loop), whatever the answers; ``salt``: :func:`prompt_text`."""
     import aiohttp
 
     conn = aiohttp.TCPConnector(limit=0)
@@ -218,7 +223,7 @@ async def replay(url: str, trace: list[TraceRequest], seed: int, ignore_eos: boo
             delay = t0 + r.arrival_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(s, url, r, seed, t0, ignore_eos)))
+            tasks.append(asyncio.create_task(send(s, url, r, seed, t0, ignore_eos, salt)))
         return list(await asyncio.gather(*tasks))
 
 
@@ -236,7 +241,7 @@ async def closed_loop(url: str, trace: list[TraceRequest], users: int, duration_
         nonlocal done
         i = k
         while time.monotonic() - t0 < duration_s:
-            o = await send(s, url, trace[i % len(trace)], seed, t0, ignore_eos)
+            o = await send(s, url, trace[i % len(trace)], seed, t0, ignore_eos, salt=-1 - i // len(trace))
             i += users
             done += o.ok
 
@@ -309,8 +314,9 @@ def main() -> None:
     ap.add_argument("--threshold-ms", type=float, default=2500, help="the TTFT SLO and overflow threshold")
     ap.add_argument("--hedge-after-ms", type=float, default=1500)
     ap.add_argument("--ttft-timeout-ms", type=float, default=2500)
-    ap.add_argument("--miss-quantile", type=float, default=0.9,
-                    help="the fleet's overflow.miss_quantile (the miss margin's quantile; docs/overflow.md)")
+    ap.add_argument("--miss-quantile", type=lambda v: None if v.lower() == "none" else float(v), default=0.9,
+                    help="the fleet's overflow.miss_quantile (the miss margin's quantile; docs/overflow.md); "
+                    "none: no margin")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity measurement")
     ap.add_argument("--warmup-s", type=float, default=60,
@@ -355,7 +361,7 @@ models:
     engine: {{max_model_len: 4096, cpu_kvcache_space_gib: 1, max_num_seqs: {args.max_num_seqs}}}
     deployment: {{max_ongoing_requests: {args.max_num_seqs}, request_timeout_s: 600}}
     cost: {{node_hour_usd: 0.10}}
-    overflow: {{threshold_ms: {args.threshold_ms}, miss_quantile: {args.miss_quantile}}}
+    overflow: {{threshold_ms: {args.threshold_ms}, miss_quantile: {json.dumps(args.miss_quantile)}}}
 """)
     env = {**os.environ, "BENCH_ADMIN": ADMIN, "BENCH_PROVIDER_KEY": PKEY}
     procs = [
@@ -423,18 +429,20 @@ def run(args: argparse.Namespace, url: str) -> None:
         # the engine's first bursts of simultaneous prefills run several times slower than later ones (the first
         # policy replayed would pay for it): one replay of the trace, local only and not counted, first
         t = time.monotonic()
-        asyncio.run(replay(url, trace, args.seed, ignore_eos=True))
+        asyncio.run(replay(url, trace, args.seed, ignore_eos=True, salt=0))
         print(f"warm-up replay of the trace (local only, not counted): {time.monotonic() - t:.0f} s", flush=True)
     runs: dict[str, list[Outcome]] = {p: [] for p in args.policies}
     spend: dict[str, float] = {p: 0.0 for p in args.policies}
     estimates: dict[str, list[dict]] = {p: [] for p in args.policies}
+    salt = 0  # one per replay: fresh prompt text every time (prompt_text)
     for rnd in range(args.rounds):
         order = args.policies if rnd % 2 == 0 else list(reversed(args.policies))
         for name in order:
             set_policy(url, name, args.threshold_ms, args.hedge_after_ms, args.ttft_timeout_ms)
             time.sleep(3)
             since = time.time()
-            res = asyncio.run(replay(url, trace, args.seed, ignore_eos=True))
+            salt += 1
+            res = asyncio.run(replay(url, trace, args.seed, ignore_eos=True, salt=salt))
             time.sleep(2)  # the last ledger rows
             until = time.time()
             spend[name] += provider_spend_usd(url, since - 1, until)

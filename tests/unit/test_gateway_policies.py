@@ -232,3 +232,28 @@ async def test_local_answers_and_local_attempts_cancelled_before_a_first_token_f
     assert r.headers["x-lmfleet-route-reason"] == "hedge_won"
     m = app.state.gateway.models["m"]
     assert len(m.margin) == 1  # the cancelled local attempt: it had waited at least until the hedge won
+
+
+async def test_a_long_prompt_is_predicted_with_its_prefill_and_spilled(tmp_path):
+    """The tracker has measured 1 ms of TTFT per token of prefill work: a short chat stays local at the base TTFT, a
+    prompt of ~3,000 more tokens than typical is predicted ~3 s later and goes to the provider."""
+    app = make_gateway(tmp_path, ok_local, {"p": provider_ok}, max_model_len=4096)
+    c = await started_client(app)
+    await _policy(c, threshold_ms=2500)
+    m = app.state.gateway.models["m"]
+    tr = m.local.tracker
+    for prompt in (20, 30, 500, 25, 1500, 20, 1000, 40):  # unqueued requests: TTFT 0.1 s + 1 ms per token
+        tk = tr.on_start(prompt)
+        tr.on_first_token(tk, ttft_s=0.1 + 0.001 * prompt)
+        tr.on_finish(tk, 5)
+    tr._slope_at = float("-inf")  # as if a second had passed since the slope was last computed
+    state = (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]
+    assert state["prefill_ms_per_1k_tokens"] == pytest.approx(1000) and state["pending_prefill_tokens"] == 0
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert r.headers["x-lmfleet-served-by"] == "local/m"
+    long = {**STREAM, "messages": [{"role": "user", "content": " ".join(["word"] * 3000)}]}
+    r = await c.post("/v1/chat/completions", json=long)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-lmfleet-served-by"] == "provider/p"
+    assert r.headers["x-lmfleet-route-reason"] == "queue_estimate_above_threshold"
+    assert float(r.headers["x-lmfleet-queue-estimate-ms"]) > 2500

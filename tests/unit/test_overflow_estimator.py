@@ -139,3 +139,36 @@ def test_estimate_tracks_real_wait_under_steady_overload(capacity, service, over
     within = sum(0.7 <= r <= 1.3 for r in ratios) / len(ratios)
     assert within >= 0.95, f"only {within:.0%} of estimates within ±30% (median ratio {statistics.median(ratios):.2f})"
     assert statistics.median(ratios) == pytest.approx(1.0, abs=0.1)
+
+
+def psig(in_flight=0, drain=None, base=0.3, pending=0, k=None, base_work=None):
+    return QueueSignals(now=0.0, in_flight=in_flight, drain_rps=drain, output_tps=None, ttft_s=None,
+                        base_ttft_s=base, completions_in_window=0, pending_prefill_tokens=pending,
+                        prefill_s_per_token=k, base_prefill_tokens=base_work)
+
+
+@pytest.mark.parametrize(
+    "signals, prompt_tokens, expected_ms",
+    [
+        # no slope measured: the prompt changes nothing
+        (psig(), 3000, 300.0),
+        # 1 ms per token, typical work 100 tokens: a 100-token prompt on an idle engine is the base TTFT
+        (psig(k=0.001, base_work=100), 100, 300.0),
+        # a shorter prompt is predicted at its own, shorter prefill
+        (psig(k=0.001, base_work=100), 20, 220.0),
+        # after a spell of long prompts (typical work 600): a short chat on the idle engine, not the long prompts' TTFT
+        (psig(base=0.9, k=0.001, base_work=600), 30, 330.0),
+        # never below 0
+        (psig(base=0.2, k=0.001, base_work=600), 30, 0.0),
+        # a 2,100-token prompt: 2,000 tokens more than typical -> +2 s
+        (psig(k=0.001, base_work=100), 2100, 2300.0),
+        # a short prompt behind 1,500 tokens still waiting for their first token (early in a burst) -> +1.5 s
+        (psig(k=0.001, base_work=100, pending=1500), 100, 1800.0),
+        # queued one deep (4 slots, 4 in flight) at 1/s: the queue term, then its own excess prefill
+        (psig(in_flight=4, drain=1.0, k=0.0005, base_work=100), 1100, 1800.0),
+        # no base samples (no base work known): every token of work counts
+        (psig(base=None, k=0.001), 200, 1200.0),
+    ],
+)
+def test_prefill_term(signals, prompt_tokens, expected_ms):
+    assert estimate_wait_ms(signals, 4, prompt_tokens=prompt_tokens) == pytest.approx(expected_ms)

@@ -133,3 +133,70 @@ def test_finish_without_start():
     tr.on_finish(tk, now=1)
     with pytest.raises(RuntimeError):
         tr.on_finish(tk, now=2)
+
+
+@pytest.mark.parametrize(
+    "samples, expected",
+    [
+        ([], None),
+        # every pair closer than 256 tokens: noise, no slope
+        ([(100, 0.3), (200, 0.5), (300, 0.4)], None),
+        # exactly linear: 1 ms per token
+        ([(100, 0.2), (1100, 1.2), (2100, 2.2), (3100, 3.2)], 0.001),
+        # one sample slowed by other work (a burst) does not move the median slope
+        ([(100, 0.2), (1100, 1.2), (2100, 2.2), (3100, 3.2), (150, 4.0)], 0.001),
+        # a falling fit is clamped at 0 (never a negative prefill time)
+        ([(100, 2.0), (1100, 1.0), (2100, 0.5)], 0.0),
+        # two pairs only: fewer than PREFILL_MIN_PAIRS (3)
+        ([(100, 0.2), (1100, 1.2), (150, 0.3)], None),
+    ],
+)
+def test_prefill_slope(samples, expected):
+    from lmfleet.overflow.signals import prefill_slope
+    got = prefill_slope(samples)
+    assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_pending_prefill_counts_prompts_until_their_first_token_or_end():
+    tr = LoadTracker(capacity=4)
+    a = tr.on_start(1000, now=0.0)
+    b = tr.on_start(200, now=0.1)
+    assert (a.pending_ahead, b.pending_ahead) == (0, 1000)
+    assert tr.snapshot(now=0.2).pending_prefill_tokens == 1200
+    tr.on_first_token(a, now=0.5)
+    assert tr.snapshot(now=0.5).pending_prefill_tokens == 200
+    tr.on_finish(b, ok=False, now=0.6)  # cancelled before its first token
+    tr.on_finish(a, 10, now=0.7)
+    assert tr.snapshot(now=0.7).pending_prefill_tokens == 0
+
+
+def test_prefill_slope_is_learned_from_unqueued_requests():
+    """TTFT = 0.1 s + 0.5 ms per token of prefill work (own prompt + prompts ahead): the tracker finds 0.5 ms, and
+    the base samples' median work; a queued request's TTFT (it waited for a slot) is not a sample."""
+    tr = LoadTracker(capacity=2)
+    t = 0.0
+    for prompt in (100, 150, 2000, 120, 3000, 90, 1000, 110):
+        tk = tr.on_start(prompt, now=t)
+        tr.on_first_token(tk, now=t + 0.1 + 0.0005 * prompt)
+        tr.on_finish(tk, 10, now=t + 1.0)
+        t += 2.0
+    held = [tr.on_start(50, now=t), tr.on_start(50, now=t)]
+    queued = tr.on_start(50, now=t)
+    tr.on_first_token(queued, now=t + 30.0)  # position 3 > capacity 2
+    s = tr.snapshot(now=t + 30.0)
+    assert s.prefill_s_per_token == pytest.approx(0.0005)
+    assert s.base_prefill_tokens == pytest.approx(135)  # median of the 8 unqueued samples' prompts
+    assert s.pending_prefill_tokens == 100  # the two held requests have no first token yet
+    for tk in (*held, queued):
+        tr.on_finish(tk, 1, now=t + 31.0)
+
+
+def test_a_non_streamed_request_is_not_prefill_work_ahead():
+    """No first token will be reported for it: counted, it would sit in the pending work until it ended."""
+    tr = LoadTracker(capacity=4)
+    a = tr.on_start(500, now=0.0, awaits_first_token=False)
+    b = tr.on_start(100, now=0.1)
+    assert b.pending_ahead == 0 and tr.snapshot(now=0.2).pending_prefill_tokens == 100
+    tr.on_finish(a, 10, now=1.0)
+    tr.on_finish(b, 10, now=1.1)
+    assert tr.snapshot(now=1.1).pending_prefill_tokens == 0

@@ -15,6 +15,21 @@ unqueued TTFTs). When the engine reports its own counts, they refine the capacit
 ``waiting > 0`` the engine is saturated at ``running`` sequences (KV-cache limits can hold it below
 ``max_num_seqs``), so ``C = min(C, running)``; and the queue is at least ``waiting + 1``.
 
+Prefill work
+------------
+``base_ttft`` is the TTFT of a typical request with the typical prefill work ahead of it. A request whose
+prompt plus the prompts still waiting for their first token (``signals.pending_prefill_tokens``) exceed the
+base samples' median work (``base_prefill_tokens``) waits longer by the excess times the measured prefill time
+per token (``prefill_s_per_token``)::
+
+    work = prompt_tokens + pending_prefill_tokens
+    base_ttft' = max(0, base_ttft + prefill_s_per_token * (work - base_prefill_tokens))
+
+This is what a long prompt costs, and what a request early in a burst pays for the prompts that arrived just
+before it: vLLM prefills those first, even when a slot is free. It also works the other way: after a spell of
+long prompts the base TTFT is theirs, and a short chat on the idle engine is predicted at its own, shorter
+prefill. Without a measured slope the term is 0.
+
 Assumptions (and what they cost)
 --------------------------------
 * FIFO and steady state: completions arrive at the average rate of the trailing window. Under
@@ -36,7 +51,7 @@ from __future__ import annotations
 from lmfleet.config.models import ModelConfig
 from lmfleet.overflow.signals import QueueSignals
 
-__all__ = ["estimate_wait_ms", "local_capacity"]
+__all__ = ["estimate_wait_ms", "local_capacity", "prefill_excess_s"]
 
 
 def local_capacity(model: ModelConfig, replicas: int | None = None) -> int:
@@ -65,11 +80,13 @@ def estimate_wait_ms(
     *,
     cold_service_s: float = 10.0,
     cold_ttft_s: float = 1.0,
+    prompt_tokens: int = 0,
 ) -> float:
     """Predicted milliseconds until this request's first token if it is sent locally now.
 
     ``capacity``: concurrent requests the local engines run (:func:`local_capacity`).
     ``cold_service_s`` / ``cold_ttft_s``: defaults while nothing was measured (module docstring).
+    ``prompt_tokens``: the request's prompt (0: unknown, e.g. the model's figure on a dashboard).
     """
     if capacity < 1:
         raise ValueError(f"capacity={capacity} must be >= 1")
@@ -80,7 +97,18 @@ def estimate_wait_ms(
     if signals.engine_waiting:
         ahead = max(ahead, signals.engine_waiting + 1)
     base_s = signals.base_ttft_s if signals.base_ttft_s is not None else cold_ttft_s
+    base_s = max(0.0, base_s + prefill_excess_s(signals, prompt_tokens))
     if ahead <= 0:
         return base_s * 1000.0
     drain = signals.drain_rps if signals.drain_rps else slots / cold_service_s
     return (ahead / drain + base_s) * 1000.0
+
+
+def prefill_excess_s(signals: QueueSignals, prompt_tokens: int) -> float:
+    """Seconds a request of ``prompt_tokens`` waits for prefill beyond the base TTFT (module docstring); negative
+    when its work is below the base samples' median."""
+    k = signals.prefill_s_per_token
+    if not k:
+        return 0.0
+    work = max(0, prompt_tokens) + signals.pending_prefill_tokens
+    return k * (work - (signals.base_prefill_tokens or 0.0))

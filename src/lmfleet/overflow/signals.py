@@ -32,6 +32,17 @@ How the figures are measured
   request would overflow, and none would come back to measure it again. Under sustained overload
   no new unqueued samples arrive and the cold default stands in, beside a queue term that
   dominates the estimate anyway.
+* **Prefill work ahead** (tokens): the prompt tokens of the local streamed requests in flight that have not had a
+  first token yet (``pending_prefill_tokens``; a non-streamed request reports no first token and is left out):
+  vLLM prefills them before a newer request's prompt (first come, first served, in chunks), so they delay its
+  first token even when a slot is free -- early in a burst, and behind a long prompt.
+* **Prefill time per token**: Theil-Sen slope (median of pairwise slopes) of the unqueued requests' TTFT against
+  the prefill work each one waited for (its own prompt plus the work ahead of it when it started), over the
+  last ``prefill_samples`` (64) such requests of the last ``prefill_ttl_s`` (600 s); only pairs at least
+  ``PREFILL_MIN_SPREAD`` tokens apart count, and at least ``PREFILL_MIN_PAIRS`` of them (else None: no prefill
+  term). A median of slopes ignores a few samples slowed by other work (decoding, a burst) where a least-squares
+  fit would move; it is recomputed at most once a second. Beside it, ``base_prefill_tokens``: the median prefill
+  work of the base TTFT's samples (what the base TTFT already includes).
 * **Engine stats** (optional): vLLM's ``num_requests_running`` / ``num_requests_waiting`` as last
   set by :meth:`LoadTracker.set_engine_stats`; reported only while younger than ``engine_stats_ttl_s``.
 * **Other gateways** (optional, several gateway processes or nodes): their in-flight requests to
@@ -63,11 +74,17 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left, insort
+from statistics import median
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["LoadTracker", "QueueSignals", "Ticket"]
+__all__ = ["PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "LoadTracker", "QueueSignals", "Ticket", "prefill_slope"]
+
+PREFILL_MIN_SPREAD = 256
+"""Tokens of prefill work two samples must differ by for their slope to count (closer pairs are noise)."""
+PREFILL_MIN_PAIRS = 3
+"""Pairs that must count before the prefill slope is reported (fewer: no prefill term)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,12 @@ class QueueSignals:
     completions_in_window: int
     engine_running: int | None = None
     engine_waiting: int | None = None
+    pending_prefill_tokens: int = 0
+    """Prompt tokens of the local requests in flight that have not had a first token yet."""
+    prefill_s_per_token: float | None = None
+    """Seconds of TTFT per token of prefill work (prompt + work ahead), from unqueued requests; None: unmeasured."""
+    base_prefill_tokens: float | None = None
+    """Median prefill work (prompt + work ahead) of the base TTFT's samples; None without samples."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +121,23 @@ class Ticket:
     position: int
     """In-flight count at start, this request and the other gateways' included (1 = the engine was idle)."""
     prompt_tokens: int
+    pending_ahead: int = 0
+    """Prompt tokens of the local requests in flight without a first token when it started (prefill work ahead)."""
+
+
+def prefill_slope(samples: list[tuple[float, float]], min_spread: float = PREFILL_MIN_SPREAD,
+                  min_pairs: int = PREFILL_MIN_PAIRS) -> float | None:
+    """Theil-Sen slope of ``(prefill_tokens, ttft_s)`` samples: the median of the pairwise slopes of pairs at least
+    ``min_spread`` tokens apart, clamped at 0; None with fewer than ``min_pairs`` such pairs. Pure; O(n^2)."""
+    slopes = []
+    for i, (xi, yi) in enumerate(samples):
+        for xj, yj in samples[i + 1:]:
+            dx = xj - xi
+            if abs(dx) >= min_spread:
+                slopes.append((yj - yi) / dx)
+    if len(slopes) < min_pairs:
+        return None
+    return max(0.0, median(slopes))
 
 
 class _RecentMedian:
@@ -149,6 +189,8 @@ class LoadTracker:
         ttft_samples: int = 256,
         engine_stats_ttl_s: float = 10.0,
         base_ttl_s: float = 60.0,
+        prefill_samples: int = 64,
+        prefill_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity < 1:
@@ -168,6 +210,14 @@ class LoadTracker:
         self._completion_tokens = 0  # sum of output_tokens over self._completions
         self._ttfts = _RecentMedian(ttft_samples)
         self._base_ttfts = _RecentMedian(base_samples)
+        self._base_work = _RecentMedian(base_samples)  # the same samples' prefill work (prompt + work ahead)
+        self.prefill_ttl_s = prefill_ttl_s
+        self._prefill: deque[tuple[float, float, float]] = deque(maxlen=max(1, prefill_samples))  # (at, work, ttft)
+        self._slope: float | None = None
+        self._slope_at = float("-inf")  # when the slope was last computed (at most once a second)
+        self._slope_dirty = False
+        self._awaiting: dict[int, int] = {}  # id(ticket) -> prompt tokens, for requests without a first token yet
+        self._pending_prefill = 0  # sum of self._awaiting's values
         self._busy: deque[tuple[float, float]] = deque()  # closed (start, end) spells with a request in flight
         self._busy_closed_s = 0.0  # sum of end - start over self._busy
         self._busy_since: float | None = None  # start of the open spell, while a request is in flight
@@ -176,8 +226,10 @@ class LoadTracker:
 
     # -- events --------------------------------------------------------------------------------
 
-    def on_start(self, prompt_tokens: int = 0, now: float | None = None) -> Ticket:
-        """A local request was sent; keep the returned ticket for the two calls below."""
+    def on_start(self, prompt_tokens: int = 0, now: float | None = None, *, awaits_first_token: bool = True) -> Ticket:
+        """A local request was sent; keep the returned ticket for the two calls below. ``awaits_first_token``
+        False (a non-streamed request: no first token will be reported): its prompt is not counted as prefill
+        work ahead of later requests, as nothing would say when it was prefilled."""
         t = self._now(now)
         if self._in_flight == 0:
             self._busy_since = t
@@ -186,15 +238,26 @@ class LoadTracker:
         # (base TTFT) sample even when this gateway alone holds fewer than capacity
         peers = self._peers
         ahead = peers[1] if peers is not None and t - peers[0] <= self.engine_stats_ttl_s else 0
-        return Ticket(started_at=t, position=self._in_flight + ahead, prompt_tokens=prompt_tokens)
+        tokens = max(0, prompt_tokens)
+        ticket = Ticket(started_at=t, position=self._in_flight + ahead, prompt_tokens=tokens,
+                        pending_ahead=self._pending_prefill)
+        if awaits_first_token:
+            self._awaiting[id(ticket)] = tokens
+            self._pending_prefill += tokens
+        return ticket
 
     def on_first_token(self, ticket: Ticket, now: float | None = None, ttft_s: float | None = None) -> float:
         """The first streamed token arrived (skip for non-streamed requests). Returns the TTFT recorded."""
         t = self._now(now)
         ttft = max(0.0, t - ticket.started_at) if ttft_s is None else ttft_s
         self._ttfts.add(t, ttft)
+        self._prefilled(ticket)
         if ticket.position <= self.capacity:
+            work = ticket.prompt_tokens + ticket.pending_ahead
             self._base_ttfts.add(t, ttft)
+            self._base_work.add(t, work)
+            self._prefill.append((t, work, ttft))
+            self._slope_dirty = True
         return ttft
 
     def on_finish(self, ticket: Ticket, output_tokens: int = 0, ok: bool = True, now: float | None = None) -> None:
@@ -203,6 +266,7 @@ class LoadTracker:
         if self._in_flight == 0:
             raise RuntimeError("on_finish without a matching on_start")
         self._in_flight -= 1
+        self._prefilled(ticket)
         if self._in_flight == 0 and self._busy_since is not None:
             self._busy.append((self._busy_since, t))
             self._busy_closed_s += t - self._busy_since
@@ -257,12 +321,32 @@ class LoadTracker:
             completions_in_window=n,
             engine_running=running,
             engine_waiting=waiting,
+            pending_prefill_tokens=self._pending_prefill,
+            prefill_s_per_token=self._prefill_slope(t),
+            base_prefill_tokens=self._base_work.median(),
         )
 
     # -- internals -------------------------------------------------------------------------------
 
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else now
+
+    def _prefilled(self, ticket: Ticket) -> None:
+        """The ticket's prompt no longer waits for prefill (its first token came, or it ended)."""
+        tokens = self._awaiting.pop(id(ticket), None)
+        if tokens is not None:
+            self._pending_prefill -= tokens
+
+    def _prefill_slope(self, now: float) -> float | None:
+        samples = self._prefill
+        horizon = now - self.prefill_ttl_s
+        while samples and samples[0][0] < horizon:
+            samples.popleft()
+            self._slope_dirty = True
+        if self._slope_dirty and now - self._slope_at >= 1.0:
+            self._slope = prefill_slope([(w, y) for _, w, y in samples])
+            self._slope_at, self._slope_dirty = now, False
+        return self._slope
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_s
@@ -271,6 +355,7 @@ class LoadTracker:
             self._completion_tokens -= completions.popleft()[1]
         self._ttfts.expire(horizon)
         self._base_ttfts.expire(now - self.base_ttl_s)
+        self._base_work.expire(now - self.base_ttl_s)
         busy = self._busy
         while busy and busy[0][1] < horizon:
             start, end = busy.popleft()

@@ -77,6 +77,10 @@ def admin_routes(gw: Gateway, cfg: GatewayConfig, tenant_admin: TenantAdmin | No
                 "mode": m.mode.value, "overflowing": m.hysteresis.overflowing, "drain_rps": s.drain_rps,
                 "recent_ttft_s": s.ttft_s, "base_ttft_s": s.base_ttft_s,
                 "engine_running": s.engine_running, "engine_waiting": s.engine_waiting,
+                "pending_prefill_tokens": s.pending_prefill_tokens,
+                "prefill_ms_per_1k_tokens": (round(s.prefill_s_per_token * 1e6, 1)
+                                             if s.prefill_s_per_token is not None else None),
+                "base_prefill_tokens": s.base_prefill_tokens,
                 **routing_state(gw, n, m.app.cfg.deployment.request_router),
             }
         for n, p in gw.providers.items():

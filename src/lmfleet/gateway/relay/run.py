@@ -214,7 +214,8 @@ class RequestRun:
             if b is not self.m.local and self._count_prompt is not None:
                 await self._exact_prompt()  # a provider's budget reserves on the count, not on the bound
             slot = await b.acquire(Ask(f"{self.request_id}-{attempt}", self.prompt_tokens, self.prompt_upper,
-                                       self.req.max_tokens, self.m.app.max_model_len, self.plan.spend_caps))
+                                       self.req.max_tokens, self.m.app.max_model_len, self.plan.spend_caps,
+                                       streamed=bool(self.req.stream)))
             attempt += 1
             if slot is None:
                 continue

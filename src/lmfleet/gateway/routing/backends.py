@@ -52,6 +52,8 @@ class Ask:
     max_model_len: int | None
     spend_caps: tuple[Cap, ...] = ()
     """The tenant's own spend caps (hourly/daily USD on paid providers), reserved beside the fleet's."""
+    streamed: bool = True
+    """The answer is streamed: the gateway sees its first token (the load tracker's prefill work ahead)."""
 
 
 @dataclass
@@ -117,7 +119,7 @@ class LocalBackend:
                         not_found_is_transient=True)
 
     async def acquire(self, ask: Ask) -> Any | None:
-        return self.tracker.on_start(ask.prompt_tokens)
+        return self.tracker.on_start(ask.prompt_tokens, awaits_first_token=ask.streamed)
 
     def first_token(self, slot: Any) -> None:
         self.tracker.on_first_token(slot)

@@ -58,7 +58,7 @@ _NO_WAITING: Mapping[int, int] = MappingProxyType({})
 
 
 def class_wait_ms(signals: QueueSignals, capacity: int, waiting_by_order: Mapping[int, int], order: int | None, *,
-                  cold_service_s: float = 10.0, cold_ttft_s: float = 1.0) -> float:
+                  cold_service_s: float = 10.0, cold_ttft_s: float = 1.0, prompt_tokens: int = 0) -> float:
     """Predicted local wait (ms) of a request of class ``order`` arriving now: :func:`estimate_wait_ms` over the
     requests ahead of it, i.e. those running plus those waiting in the local queue in its class or a more urgent
     one (an order <= ``order``). Requests waiting in a less urgent class are dispatched after it
@@ -67,6 +67,7 @@ def class_wait_ms(signals: QueueSignals, capacity: int, waiting_by_order: Mappin
     ``signals.in_flight`` counts every local request, those waiting in the gateway's queue included;
     ``waiting_by_order``: how many of them wait there, per class order
     (:attr:`~lmfleet.tenants.queue.DispatchQueue.waiting_by_order`).
+    ``prompt_tokens``: the request's prompt (its prefill; 0: unknown).
     ``order`` None (no class, or no queue): every request in flight counts, as without tenants. Requests that
     already left the queue (running, or in the engine's own FIFO queue) are ahead whatever their class.
     Pure; O(classes).
@@ -75,7 +76,8 @@ def class_wait_ms(signals: QueueSignals, capacity: int, waiting_by_order: Mappin
         behind = sum(n for o, n in waiting_by_order.items() if o > order)
         if behind:
             signals = dataclasses.replace(signals, in_flight=max(0, signals.in_flight - behind))
-    return estimate_wait_ms(signals, capacity, cold_service_s=cold_service_s, cold_ttft_s=cold_ttft_s)
+    return estimate_wait_ms(signals, capacity, cold_service_s=cold_service_s, cold_ttft_s=cold_ttft_s,
+                            prompt_tokens=prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -131,15 +133,17 @@ class Router:
                                param="model", code="model_not_found")
         return m
 
-    def estimate(self, m: ServedModel, signals: QueueSignals | None = None, order: int | None = None) -> float:
+    def estimate(self, m: ServedModel, signals: QueueSignals | None = None, order: int | None = None,
+                 prompt_tokens: int = 0) -> float:
         """Predicted local wait (ms) for a request of ``m`` arriving now; ``order``: its priority class's order
         (requests waiting in the model's queue in a less urgent class are not ahead of it), None: behind every
-        request in flight (no class; what /admin/state and the dashboard show)."""
+        request in flight (no class; what /admin/state and the dashboard show); ``prompt_tokens``: its prompt
+        (0: none, what /admin/state and the dashboard show)."""
         o = m.app.cfg.overflow
         q = m.queue
         waiting = q.waiting_by_order if q is not None and order is not None else _NO_WAITING
         return class_wait_ms(signals or m.local.tracker.snapshot(), m.app.capacity, waiting, order,
-                             cold_service_s=o.cold_service_s, cold_ttft_s=o.cold_ttft_s)
+                             cold_service_s=o.cold_service_s, cold_ttft_s=o.cold_ttft_s, prompt_tokens=prompt_tokens)
 
     async def budget_status(self) -> BudgetStatus | None:
         """External spend against the caps (read from the ledger at most once per ``BUDGET_CACHE_S``)."""
@@ -186,7 +190,7 @@ class Router:
         Raises a 429 :class:`GatewayError` when the budget is spent, the local queue is too long and the
         fleet is configured to reject rather than queue, or when the tenant's admission refuses it.
         """
-        estimate = self.estimate(m, order=cls.order if cls is not None else None)
+        estimate = self.estimate(m, order=cls.order if cls is not None else None, prompt_tokens=prompt_tokens)
         m.last_estimate_ms = estimate
         self._child(self.metrics.queue_estimate, m.name).set(estimate)
         candidates = [ProviderCandidate(p.name, p.cfg.model_map, p.healthy(), p.in_flight, p.cfg.max_concurrency)
