@@ -17,10 +17,10 @@ unqueued TTFTs). When the engine reports its own counts, they refine the capacit
 
 Prefill work
 ------------
-``base_ttft`` is the TTFT of a typical request with the typical prefill work ahead of it. A request whose
-prompt plus the prompts still waiting for their first token (``signals.pending_prefill_tokens``) exceed the
-base samples' median work (``base_prefill_tokens``) waits longer by the excess times the measured prefill time
-per token (``prefill_s_per_token``)::
+``base_ttft`` is the TTFT of a typical request with the typical prefill work ahead of it. A request's work is
+its prompt plus the prompts still waiting for their first token (``signals.pending_prefill_tokens``); it waits
+longer (or shorter) than ``base_ttft`` by its difference from the base samples' median work
+(``base_prefill_tokens``) times the measured prefill time per token (``prefill_s_per_token``)::
 
     work = prompt_tokens + pending_prefill_tokens
     base_ttft' = max(0, base_ttft + prefill_s_per_token * (work - base_prefill_tokens))

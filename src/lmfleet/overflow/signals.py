@@ -106,7 +106,7 @@ class QueueSignals:
     engine_running: int | None = None
     engine_waiting: int | None = None
     pending_prefill_tokens: int = 0
-    """Prompt tokens of the local requests in flight that have not had a first token yet."""
+    """Prompt tokens of the local streamed requests in flight that have not had a first token yet."""
     prefill_s_per_token: float | None = None
     """Seconds of TTFT per token of prefill work (prompt + work ahead), from unqueued requests; None: unmeasured."""
     base_prefill_tokens: float | None = None
