@@ -26,6 +26,7 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "tiny"  # cheapest engine; overflow is off for it
 FLOOD_WORKERS = 12  # 3x tenant-a's max_concurrency (4, conftest.py)
+FLOOD_TOKENS = 256  # tiny answers 32 tokens in ~25 ms: the niced flood would not hold more than 4 in flight
 B_REQUESTS = 20  # B's requests while A floods
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
                 "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
@@ -59,7 +60,7 @@ def _usage_by_tenant(fleet) -> dict[str, int]:
 def test_batch_flood_is_limited_while_interactive_is_served_and_stays_off_the_paid_provider(fleet):
     before = _usage_by_tenant(fleet)
     a_ok = b_ok = 0
-    flood = Flood(fleet.base_url, TENANT_A_KEY, MODEL, FLOOD_WORKERS)
+    flood = Flood(fleet.base_url, TENANT_A_KEY, MODEL, FLOOD_WORKERS, FLOOD_TOKENS)
     with httpx.Client(base_url=fleet.base_url, headers={"authorization": f"Bearer {TENANT_B_KEY}"},
                       timeout=120) as b:
         solo, s = trickle(b, MODEL, 3)
@@ -72,7 +73,7 @@ def test_batch_flood_is_limited_while_interactive_is_served_and_stays_off_the_pa
     a_ok += flood.ok
 
     # the same flood from the unlimited interactive default tenant: reported, and counted in the ledger check
-    control = Flood(fleet.base_url, fleet.api_key, MODEL, FLOOD_WORKERS)
+    control = Flood(fleet.base_url, fleet.api_key, MODEL, FLOOD_WORKERS, FLOOD_TOKENS)
     with httpx.Client(base_url=fleet.base_url, headers={"authorization": f"Bearer {TENANT_B_KEY}"},
                       timeout=120) as b:
         control.start()

@@ -71,8 +71,19 @@ def test_summarize_nothing(bench):
 def test_estimate_line(bench):
     e = {"requests": 4, "median_abs_error_ms": 120.0, "p90_abs_error_ms": 600.0, "p90_abs_error_pct_of_threshold": 24.0,
          "bias_ms": -50.0, "median_actual_over_predicted": 0.9}
-    assert bench.estimate_line("predictive", 2, e) == ("  predictive   round 2: n=4 median |err| 120 ms, P90 |err| 600 ms "
+    assert bench.estimate_line("predictive", "round 2", e) == ("  predictive   round 2: n=4 median |err| 120 ms, P90 |err| 600 ms "
                                                        "(24 % of threshold), bias -50 ms, median actual/predicted 0.9")
+
+
+def test_pooled_estimate_counts_local_answers_with_an_estimate(bench):
+    outs = [outcome(bench, 0, 1.0, est=800.0), outcome(bench, 1, 0.5, est=1000.0),
+            outcome(bench, 2, 3.0, est=900.0, served="provider/backup"),  # spilled: no local wait
+            outcome(bench, 3, 2.0),  # no estimate header
+            outcome(bench, 4, None, est=500.0, status=503)]  # not answered
+    e = bench.pooled_estimate(outs, threshold_ms=2500)
+    assert e["requests"] == 2 and e["median_abs_error_ms"] == pytest.approx(350.0)  # |+200|, |-500|
+    assert e["p90_abs_error_pct_of_threshold"] == pytest.approx(round(100 * (200 + 0.9 * 300) / 2500, 1))
+    assert bench.pooled_estimate(outs[2:], threshold_ms=2500) is None
 
 
 def test_service_samples_mark_queued(bench):

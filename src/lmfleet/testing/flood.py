@@ -6,11 +6,14 @@ client whose latency is being measured, and at niceness 0 they would outrun the 
 15). So the test starts this script under ``nice -n 19``: it still keeps its tenant's admitted slots busy (its
 threads wait on sockets), but it no longer decides whose CPU the measured client and the fleet get.
 
-    python -m lmfleet.testing.flood BASE_URL KEY MODEL WORKERS
+    python -m lmfleet.testing.flood BASE_URL KEY MODEL WORKERS [MAX_TOKENS]
 
 Runs until its stdin closes, then prints one JSON object: ``{"ok", "refused", "other", "refusals"}`` (at most
 50 refusals, each ``[headers, body]``). A refused worker backs off by ``retry-after`` (capped at 2 s), as the
-OpenAI client does.
+OpenAI client does. Every answer is ``MAX_TOKENS`` (32) tokens long (``ignore_eos``): how long a request holds its
+slot does not depend on when a random-weight model happens to stop. Make it long enough that ``WORKERS`` requests
+overlap even when this low-priority process gets little CPU -- a flood of answers shorter than the time it takes
+to send the next request never exceeds a concurrency limit.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def demote() -> str:
     return ", ".join(done) or "nothing"
 
 
-def main(base_url: str, key: str, model: str, workers: int) -> None:
+def main(base_url: str, key: str, model: str, workers: int, max_tokens: int = 32) -> None:
     how = demote()
     stop = threading.Event()
     lock = threading.Lock()
@@ -62,7 +65,8 @@ def main(base_url: str, key: str, model: str, workers: int) -> None:
         with httpx.Client(base_url=base_url, headers={"authorization": f"Bearer {key}"}, timeout=120) as c:
             while not stop.is_set():
                 try:
-                    r = c.post("/v1/completions", json={"model": model, "prompt": "flood " * 24, "max_tokens": 32})
+                    r = c.post("/v1/completions", json={"model": model, "prompt": "flood " * 24,
+                                                          "max_tokens": max_tokens, "ignore_eos": True})
                 except httpx.HTTPError as e:
                     with lock:
                         out["other"].append(type(e).__name__)
@@ -102,6 +106,7 @@ class Flood:
     key: str
     model: str
     workers: int = 12
+    max_tokens: int = 32
     ramp_s: float = 2.0
     ok: int = 0
     refused: int = 0
@@ -112,7 +117,7 @@ class Flood:
     def start(self) -> "Flood":
         self._proc = subprocess.Popen(
             ["nice", "-n", "19", sys.executable, "-m", "lmfleet.testing.flood", self.base_url, self.key, self.model,
-             str(self.workers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+             str(self.workers), str(self.max_tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
         assert self._proc.stdout.readline().strip() == "started"
         time.sleep(self.ramp_s)  # the flood holds its admitted slots and its refused workers back off
         return self
@@ -157,4 +162,4 @@ def p99(xs: list[float]) -> float:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *(int(a) for a in sys.argv[5:6]))
