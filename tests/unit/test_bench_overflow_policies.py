@@ -71,8 +71,9 @@ def test_summarize_nothing(bench):
 def test_estimate_line(bench):
     e = {"requests": 4, "median_abs_error_ms": 120.0, "p90_abs_error_ms": 600.0, "p90_abs_error_pct_of_threshold": 24.0,
          "bias_ms": -50.0, "median_actual_over_predicted": 0.9}
-    assert bench.estimate_line("predictive", "round 2", e) == ("  predictive   round 2: n=4 median |err| 120 ms, P90 |err| 600 ms "
-                                                       "(24 % of threshold), bias -50 ms, median actual/predicted 0.9")
+    assert bench.estimate_line("predictive", "round 2", e) == (
+        "  predictive   round 2: n=4 median |err| 120 ms, P90 |err| 600 ms "
+        "(24 % of threshold), bias -50 ms, median actual/predicted 0.9")
 
 
 def test_pooled_estimate_counts_local_answers_with_an_estimate(bench):

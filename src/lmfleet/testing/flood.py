@@ -117,7 +117,8 @@ class Flood:
     def start(self) -> "Flood":
         self._proc = subprocess.Popen(
             ["nice", "-n", "19", sys.executable, "-m", "lmfleet.testing.flood", self.base_url, self.key, self.model,
-             str(self.workers), str(self.max_tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+             str(self.workers), str(self.max_tokens)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
         assert self._proc.stdout.readline().strip() == "started"
         time.sleep(self.ramp_s)  # the flood holds its admitted slots and its refused workers back off
         return self
