@@ -59,6 +59,7 @@ from lmfleet.config.models import ProviderPrice
 from lmfleet.overflow.estimate_error import estimate_error, percentile
 from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, oracle_spill
 from lmfleet.provenance import is_external
+from lmfleet.testing.fleet import autogroup_nice
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -314,19 +315,6 @@ def wait_ready(url: str, timeout: float, procs: list[subprocess.Popen]) -> None:
     raise TimeoutError(url)
 
 
-def raise_priority(pid: int | str, nice: int) -> str:
-    """Set the autogroup nice of ``pid``'s session (``self``: this one's): with autogroup scheduling (on by default
-    in Debian's and Ubuntu's kernels) the CPU is shared between sessions first, by their groups' nice. Returns what
-    was done, for the log; below 0 needs root, and without autogroup scheduling nothing is done."""
-    if nice == 0:
-        return "unchanged"
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
-        return f"autogroup nice {nice}"
-    except OSError as e:
-        return f"unchanged ({e.strerror})"
-
-
 def load() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -403,8 +391,8 @@ models:
                          stdout=(out / "serve.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True),
     ]
     url = f"http://127.0.0.1:{gport}"
-    print(f"client and fake provider (outside the fleet): {raise_priority('self', args.outside_nice)}, "
-          f"{raise_priority(procs[0].pid, args.outside_nice)}", flush=True)
+    print(f"client and fake provider (outside the fleet): {autogroup_nice('self', args.outside_nice)}, "
+          f"{autogroup_nice(procs[0].pid, args.outside_nice)}", flush=True)
     # SIGINT too: a shell that starts this in the background (no job control) leaves SIGINT ignored
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the finally below ends what was started
         signal.signal(sig, interrupted)

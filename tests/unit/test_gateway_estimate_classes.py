@@ -165,7 +165,8 @@ async def test_batch_estimates_do_not_move_the_interactive_overflow_band(tmp_pat
     the model's "overflowing" state, the interactive request would overflow at 950 ms. It must not."""
     release = threading.Event()
     provider = Counting()
-    slow_prefill = {**QUICK, "overflow": {**QUICK["overflow"], "cold_ttft_s": 0.7}}
+    # the miss margin off: its prior (0.3 x threshold while busy) would spill the 950 ms request on its own
+    slow_prefill = {**QUICK, "overflow": {**QUICK["overflow"], "cold_ttft_s": 0.7, "miss_quantile": None}}
     app = tenant_gateway(tmp_path, {"a": {"priority": "batch"}, "b": {}}, local=_held_local(release, "ok"),
                          providers={"p": provider}, models=[slow_prefill], classes=CLASSES3)
     m = app.state.gateway.models["m"]

@@ -210,6 +210,21 @@ async def test_the_miss_margin_moves_the_decision_not_the_estimate(tmp_path):
     assert (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]["miss_margin_ms"] == 0
 
 
+async def test_the_margins_prior_spills_near_the_threshold_while_the_engine_is_busy_never_when_idle(tmp_path):
+    app = make_gateway(tmp_path, slow(["w"], 1.0), {"p": provider_ok})
+    c = await started_client(app)
+    await _policy(c, threshold_ms=1200)  # cold estimate 1000 ms: near the threshold, no samples yet
+    r = await c.post("/v1/chat/completions", json=STREAM)  # idle: no prior, kept local on its estimate
+    assert r.headers["x-lmfleet-served-by"] == "local/m"
+    first = asyncio.create_task(c.post("/v1/chat/completions", json=STREAM))
+    await asyncio.sleep(0.2)  # one request in flight, a slot free: the estimate is the base TTFT (1 s) again
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    estimate = float(r.headers["x-lmfleet-queue-estimate-ms"])
+    assert 1200 - 360 < estimate < 1200  # local on the estimate alone
+    assert r.headers["x-lmfleet-served-by"] == "provider/p"  # estimate + 0.3 x 1200 > 1200
+    assert (await first).headers["x-lmfleet-served-by"] == "local/m"
+
+
 async def test_an_estimate_below_the_margins_band_stays_local_whatever_the_margin(tmp_path):
     app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
     c = await started_client(app)

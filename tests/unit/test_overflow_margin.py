@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from lmfleet.overflow.margin import MIN_SAMPLES, WINDOW_S, MissMargin, applied_margin_ms, miss_margin_ms
+from lmfleet.overflow.margin import CAP, MIN_SAMPLES, PRIOR, WINDOW_S, MissMargin, applied_margin_ms, miss_margin_ms
 
 
 @pytest.mark.parametrize("errors,quantile,cap,expected", [
-    ([], 0.9, 1250, 0.0),                                      # nothing seen: no margin
-    ([900.0] * (MIN_SAMPLES - 1), 0.9, 1250, 0.0),             # too few to trust
+    ([], 0.9, 1250, PRIOR * 1250),                             # nothing seen: the prior
+    ([900.0] * (MIN_SAMPLES - 1), 0.9, 1250, PRIOR * 1250),    # too few to trust: the prior
+    ([0.0] * (MIN_SAMPLES - 1), 0.9, 1250, PRIOR * 1250),
+    ([], None, 1250, 0.0),                                     # miss_quantile null: no prior either
     ([900.0] * MIN_SAMPLES, 0.9, 1250, 900.0),
     ([900.0] * MIN_SAMPLES, None, 1250, 0.0),                  # miss_quantile null: the estimate alone decides
     ([-500.0] * 10, 0.9, 1250, 0.0),                           # over-predicted: never a negative margin
@@ -24,12 +26,21 @@ def test_miss_margin(errors, quantile, cap, expected):
     assert miss_margin_ms(errors, quantile, cap) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("errors,expected", [
+    ([], 0.0),                                                 # an idle engine: no prior
+    ([900.0] * (MIN_SAMPLES - 1), 0.0),
+    ([900.0] * MIN_SAMPLES, 900.0),                            # what was learned holds, idle or not
+])
+def test_an_idle_engine_gets_no_prior(errors, expected):
+    assert miss_margin_ms(errors, 0.9, 1250, idle=True) == pytest.approx(expected)
+
+
 def test_only_requests_predicted_near_the_threshold_count():
     m = MissMargin(0.9)
     for _ in range(20):
         m.observe(predicted_ms=300, realised_ms=4000, threshold_ms=2500, now=0.0)  # an unqueued request: left out
         m.observe(predicted_ms=9000, realised_ms=20000, threshold_ms=2500, now=0.0)  # far above: left out
-    assert m.margin_ms(2500, now=1.0) == 0.0
+    assert m.margin_ms(2500, now=1.0) == pytest.approx(PRIOR * CAP * 2500)
     for _ in range(MIN_SAMPLES):
         m.observe(predicted_ms=1700, realised_ms=2600, threshold_ms=2500, now=0.0)
     assert m.margin_ms(2500, now=1.0) == pytest.approx(900.0)
@@ -40,13 +51,16 @@ def test_old_samples_leave_the_window():
     for _ in range(MIN_SAMPLES):
         m.observe(1700, 2600, 2500, now=0.0)
     assert m.margin_ms(2500, now=WINDOW_S - 1) == pytest.approx(900.0)
-    assert m.margin_ms(2500, now=WINDOW_S + 1) == 0.0
+    assert m.margin_ms(2500, now=WINDOW_S + 1) == pytest.approx(PRIOR * CAP * 2500)  # the prior again
+    for _ in range(MIN_SAMPLES):
+        m.observe(1700, 1600, 2500, now=WINDOW_S + 1)  # a quiet spell's samples: over-predicted, no margin
+    assert m.margin_ms(2500, now=WINDOW_S + 2) == 0.0
 
 
 @pytest.mark.parametrize("threshold,expected", [
     (2500, 900.0),   # 1700 is within 0.5-1.5 x 2500
     (1200, 600.0),   # within 0.5-1.5 x 1200 too; capped at half the new threshold
-    (4000, 0.0),     # 1700 < 0.5 x 4000: not near the new threshold
+    (4000, PRIOR * CAP * 4000),  # 1700 < 0.5 x 4000: not near the new threshold, which has the prior
 ])
 def test_a_new_threshold_uses_the_samples_near_it(threshold, expected):
     m = MissMargin(0.9)

@@ -8,7 +8,8 @@ request predicted at 1.7 s against a 2.5 s threshold is kept local, and a fair s
 what happened to the requests it kept local::
 
     errors = [realised - predicted for the recent local requests predicted within BAND x threshold]
-    margin = clamp(quantile(errors, q), 0, CAP x threshold)      (0 until MIN_SAMPLES of them)
+    margin = clamp(quantile(errors, q), 0, CAP x threshold)      once MIN_SAMPLES of them are in the window
+    margin = PRIOR x CAP x threshold                             until then
 
 Only requests whose estimate was near the threshold count (an idle engine's requests, predicted at the prefill
 time, say nothing about the queued ones; a request predicted far above it, kept local by a forced mode, says
@@ -24,6 +25,15 @@ time and stays local on its own estimate, so new samples keep coming in even aft
 up (were it added to every estimate, a margin near the hysteresis bar would spill every request, and with none
 kept local it could not learn that the burst had passed). It is capped at ``CAP x threshold``.
 
+Until ``MIN_SAMPLES`` near-threshold requests were seen in the window (the first burst after a quiet spell, a new
+gateway), the margin is a prior, ``PRIOR x CAP x threshold`` (0.3 x threshold): the first near-threshold requests
+of a burst are the ones the samples have not seen yet, and with no margin they were the policy's misses on the
+overflow benchmark (predicted at 0.74-0.98 x threshold, waited 1.2-1.6 x threshold). The prior spills a little more
+at the start of a burst (a request predicted at 0.7 x threshold or more goes to the provider); once the samples are
+in, they decide. A request to an idle engine (nothing in flight) gets no prior: it waits for no one, and it is what
+keeps local samples coming (were every request spilled on the prior, the engine would go idle and the next one
+would stay local), also on a new gateway whose cold estimate is near a low threshold.
+
 ``q`` is ``overflow.miss_quantile``: 0.9 keeps about one in ten of these near-threshold requests missing the
 threshold by more than the margin; higher spends more on providers for fewer misses. The estimate itself (the
 ``x-lmfleet-queue-estimate-ms`` header, the ledger's ``predicted_wait_ms``) is unchanged: the margin moves the
@@ -38,28 +48,33 @@ from collections.abc import Sequence
 
 from lmfleet.overflow.estimate_error import percentile
 
-__all__ = ["BAND", "CAP", "MIN_SAMPLES", "WINDOW_S", "MissMargin", "applied_margin_ms", "miss_margin_ms"]
+__all__ = ["BAND", "CAP", "MIN_SAMPLES", "PRIOR", "WINDOW_S", "MissMargin", "applied_margin_ms", "miss_margin_ms"]
 
 BAND = (0.5, 1.5)
 """Requests predicted within these shares of the threshold inform the margin."""
 CAP = 0.5
 """The margin is at most this share of the threshold."""
 MIN_SAMPLES = 8
-"""No margin until this many near-threshold requests were seen in the window."""
+"""The learned margin needs this many near-threshold requests in the window; until then the prior applies."""
+PRIOR = 0.6
+"""The margin before ``MIN_SAMPLES`` are in, as a share of the cap (0.6 x CAP = 0.3 x threshold)."""
 WINDOW_S = 120.0
 """Samples older than this (seconds) are dropped."""
 MAX_SAMPLES = 64
 
 
 def miss_margin_ms(errors: Sequence[float], quantile: float | None, cap_ms: float,
-                   min_samples: int = MIN_SAMPLES) -> float:
+                   min_samples: int = MIN_SAMPLES, idle: bool = False) -> float:
     """The margin (ms) from the recent ``realised - predicted`` errors (module docstring). Pure.
 
-    0 with ``quantile`` None (no margin) or fewer than ``min_samples`` errors; else the errors' ``quantile``
-    (0-1, linear interpolation), at least 0 and at most ``cap_ms``.
+    0 with ``quantile`` None (no margin); with fewer than ``min_samples`` errors the prior, ``PRIOR x cap_ms``
+    (0 when ``idle``: nothing in flight locally); else the errors' ``quantile`` (0-1, linear interpolation), at
+    least 0 and at most ``cap_ms``.
     """
-    if quantile is None or len(errors) < min_samples:
+    if quantile is None:
         return 0.0
+    if len(errors) < min_samples:
+        return 0.0 if idle else PRIOR * max(0.0, cap_ms)
     return min(max(0.0, percentile(errors, 100.0 * quantile)), max(0.0, cap_ms))
 
 
@@ -86,15 +101,17 @@ class MissMargin:
             return
         self._samples.append((time.monotonic() if now is None else now, predicted_ms, realised_ms - predicted_ms))
 
-    def margin_ms(self, threshold_ms: float, now: float | None = None) -> float:
-        """The margin to add to the estimate before it is compared with ``threshold_ms``."""
-        if self.quantile is None or not self._samples:
+    def margin_ms(self, threshold_ms: float, now: float | None = None, idle: bool = False) -> float:
+        """The margin to add to the estimate before it is compared with ``threshold_ms``; ``idle``: nothing is in
+        flight locally (no prior)."""
+        if self.quantile is None:
             return 0.0
         horizon = (time.monotonic() if now is None else now) - self.window_s
         s = self._samples
         while s and s[0][0] < horizon:
             s.popleft()
-        return miss_margin_ms([e for _, p, e in s if _near(p, threshold_ms)], self.quantile, CAP * threshold_ms)
+        return miss_margin_ms([e for _, p, e in s if _near(p, threshold_ms)], self.quantile, CAP * threshold_ms,
+                              idle=idle)
 
     def __len__(self) -> int:
         """Samples held (some may be older than the window until the next :meth:`margin_ms`)."""

@@ -1,5 +1,5 @@
 """Start and stop the processes of a benchmark or end-to-end fleet (``lmfleet serve``, a bare vLLM server, a
-second gateway), and wait for them to answer.
+second gateway), wait for them to answer, and set how they share the CPU (:func:`autogroup_nice`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,19 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+
+def autogroup_nice(pid: int | str, nice: int) -> str:
+    """Set the autogroup nice of ``pid``'s session (``"self"``: this process's). With autogroup scheduling
+    (``sched_autogroup_enabled``, on by default in Debian's and Ubuntu's kernels) the CPU is shared *between*
+    sessions' groups first, each weighted by the group's nice (0 by default), and a process's own nice counts only
+    inside its group: ``nice -n 19`` alone does not rank a process below another session. Below 0 needs root.
+    Returns what was done, for the log; without autogroup scheduling nothing is done."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+        return f"autogroup nice {nice}"
+    except OSError as e:
+        return f"autogroup unchanged ({e.strerror})"
 
 
 class Procs:

@@ -1,10 +1,11 @@
 """A tenant's flood, as its own process: ``workers`` threads send non-streamed completions back to back.
 
-Used by tests/e2e/test_tenants_e2e.py and benchmarks/bench_tenants.py through :class:`Flood`. The flooding tenant is another client, on another machine in any real
-deployment; run in the test's own process its threads would share the GIL (and a 2-core machine's CPU) with the
-client whose latency is being measured, and at niceness 0 they would outrun the fleet's own Ray workers (niceness
-15). So the test starts this script under ``nice -n 19``: it still keeps its tenant's admitted slots busy (its
-threads wait on sockets), but it no longer decides whose CPU the measured client and the fleet get.
+Used by tests/e2e/test_tenants_e2e.py and benchmarks/bench_tenants.py through :class:`Flood`. The flooding tenant
+is another client, on another machine in any real deployment; run in the test's own process its threads would
+share the GIL (and a 2-core machine's CPU) with the client whose latency is being measured, and at niceness 0 they
+would outrun the fleet's own Ray workers (niceness 15). So the test starts this script under ``nice -n 19``, and
+it puts itself in a session of its own at autogroup nice 19 (:func:`demote`): it still keeps its tenant's admitted
+slots busy (its threads wait on sockets), but it no longer decides whose CPU the measured client and the fleet get.
 
     python -m lmfleet.testing.flood BASE_URL KEY MODEL WORKERS [MAX_TOKENS]
 
@@ -30,29 +31,25 @@ from pathlib import Path
 
 import httpx
 
+from lmfleet.testing.fleet import autogroup_nice
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def demote() -> str:
-    """Make ``nice -n 19`` mean what it says on a kernel with autogroup scheduling (``sched_autogroup_enabled``,
-    on by default in Debian's and Ubuntu's kernels and on this machine): the CPU is first shared *between* sessions'
-    autogroups, each weighted by the group's own nice (0 by default), and task niceness counts only inside a group.
-    Started from the test's session, this process's nice 19 ranked it below the test's client only; against the fleet
-    (``lmfleet serve`` runs in its own session) the flood's group weighed as much as the whole fleet's. So: a session
-    of its own, and that session's group at nice 19. Returns what was done (for the test's log)."""
+    """Rank this process below everything else on the machine, the fleet included (``lmfleet serve`` runs in a
+    session of its own): a session of its own, and that session's autogroup at nice 19
+    (:func:`lmfleet.testing.fleet.autogroup_nice`: started from the test's session, a plain nice 19 ranked it below
+    the test's client only, and its group weighed as much as the whole fleet's). Returns what was done (for the
+    test's log)."""
     done = []
     try:
         os.setsid()
         done.append("own session")
     except OSError:
         pass
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write("19")
-        done.append("autogroup nice 19")
-    except OSError:
-        pass  # no autogroup scheduling here: the process's own nice 19 is all there is
-    return ", ".join(done) or "nothing"
+    done.append(autogroup_nice("self", 19))
+    return ", ".join(done)
 
 
 def main(base_url: str, key: str, model: str, workers: int, max_tokens: int = 32) -> None:

@@ -73,7 +73,7 @@ def admin_routes(gw: Gateway, cfg: GatewayConfig, tenant_admin: TenantAdmin | No
                 "in_flight": s.in_flight, "capacity": m.app.capacity,
                 "queued_estimate": max(0, s.in_flight - m.app.capacity),
                 "queue_estimate_ms": round(gw.router.estimate(m, s), 1), "threshold_ms": m.threshold_ms,
-                "miss_margin_ms": round(m.margin.margin_ms(m.threshold_ms), 1),
+                "miss_margin_ms": round(m.margin.margin_ms(m.threshold_ms, idle=s.in_flight == 0), 1),
                 "mode": m.mode.value, "overflowing": m.hysteresis.overflowing, "drain_rps": s.drain_rps,
                 "recent_ttft_s": s.ttft_s, "base_ttft_s": s.base_ttft_s,
                 "engine_running": s.engine_running, "engine_waiting": s.engine_waiting,

@@ -190,7 +190,9 @@ class Router:
         Raises a 429 :class:`GatewayError` when the budget is spent, the local queue is too long and the
         fleet is configured to reject rather than queue, or when the tenant's admission refuses it.
         """
-        estimate = self.estimate(m, order=cls.order if cls is not None else None, prompt_tokens=prompt_tokens)
+        signals = m.local.tracker.snapshot()
+        estimate = self.estimate(m, signals, order=cls.order if cls is not None else None,
+                                 prompt_tokens=prompt_tokens)
         m.last_estimate_ms = estimate
         self._child(self.metrics.queue_estimate, m.name).set(estimate)
         candidates = [ProviderCandidate(p.name, p.cfg.model_map, p.healthy(), p.in_flight, p.cfg.max_concurrency)
@@ -206,8 +208,9 @@ class Router:
             mode = OverflowMode.FORCE_ON  # anyone healthy beats a 503
         o = m.app.cfg.overflow
         # the decision weighs the estimate plus the miss margin (how much longer than predicted recent requests near
-        # the threshold waited); the plan, its header and the ledger keep the estimate itself
-        margin = m.margin.margin_ms(m.threshold_ms)
+        # the threshold waited, or its prior while too few did and the engine is busy); the plan, its header and the
+        # ledger keep the estimate itself
+        margin = m.margin.margin_ms(m.threshold_ms, idle=signals.in_flight == 0)
         self._child(self.metrics.miss_margin, m.name).set(margin)
         d = decide(model=m.name, estimate_ms=estimate + applied_margin_ms(estimate, margin, m.threshold_ms),
                    threshold_ms=m.threshold_ms, hysteresis=o.hysteresis,
