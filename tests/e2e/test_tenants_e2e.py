@@ -29,6 +29,7 @@ MODEL = "tiny"  # cheapest engine; overflow is off for it
 FLOOD_WORKERS = 12  # 3x tenant-a's max_concurrency (4, conftest.py)
 FLOOD_TOKENS = 256  # tiny answers 32 tokens in ~25 ms: the niced flood would not hold more than 4 in flight
 B_REQUESTS = 20  # B's requests while A floods
+FLOOD_WAIT_S = 90  # at most this long for A's flood to be refused once before B's requests start
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
                 "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
 
@@ -80,7 +81,9 @@ def _until_attributed(fleet, before: dict[str, int], want: dict[str, int], timeo
 def test_batch_flood_is_limited_while_interactive_is_served_and_stays_off_the_paid_provider(fleet):
     before = _usage_by_tenant(fleet)
     a_ok = b_ok = 0
-    flood = Flood(fleet.base_url, TENANT_A_KEY, MODEL, FLOOD_WORKERS, FLOOD_TOKENS)
+    # B's requests start once A's flood holds more than its limit (a process at nice 19 on a loaded 2-core machine
+    # can take seconds to have its 12 requests in flight)
+    flood = Flood(fleet.base_url, TENANT_A_KEY, MODEL, FLOOD_WORKERS, FLOOD_TOKENS, until_refused_s=FLOOD_WAIT_S)
     with httpx.Client(base_url=fleet.base_url, headers={"authorization": f"Bearer {TENANT_B_KEY}"},
                       timeout=120) as b:
         solo, s = trickle(b, MODEL, 3)
@@ -107,6 +110,7 @@ def test_batch_flood_is_limited_while_interactive_is_served_and_stays_off_the_pa
     assert set(b_statuses) == {200}, b_statuses  # B never refused
     assert len(flooded) == B_REQUESTS  # and served while A floods
     # A served up to its limit, refused beyond it
+    assert flood.refused_at_start, f"A's flood was not refused within {FLOOD_WAIT_S} s of its start"
     assert flood.ok > 0 and flood.refused > 0 and not flood.other, (flood.ok, flood.refused, flood.other)
     for headers, body in flood.refusals:
         _headers_ok(headers, body)

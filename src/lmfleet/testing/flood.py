@@ -7,12 +7,16 @@ would outrun the fleet's own Ray workers (niceness 15). So the test starts this 
 it puts itself in a session of its own at autogroup nice 19 (:func:`demote`): it still keeps its tenant's admitted
 slots busy (its threads wait on sockets), but it no longer decides whose CPU the measured client and the fleet get.
 
-    python -m lmfleet.testing.flood BASE_URL KEY MODEL WORKERS [MAX_TOKENS]
+    python -m lmfleet.testing.flood BASE_URL KEY MODEL WORKERS [MAX_TOKENS [UNTIL_REFUSED_S]]
 
-Runs until its stdin closes, then prints one JSON object: ``{"ok", "refused", "other", "refusals"}`` (at most
-50 refusals, each ``[headers, body]``). A refused worker backs off by ``retry-after`` (capped at 2 s), as the
-OpenAI client does. Every answer is ``MAX_TOKENS`` (32) tokens long (``ignore_eos``): how long a request holds its
-slot does not depend on when a random-weight model happens to stop. Make it long enough that ``WORKERS`` requests
+Prints ``started`` once its workers run; with ``UNTIL_REFUSED_S`` > 0, then ``refused`` once a worker was refused
+(the flood holds more than its tenant's limit), or ``not refused`` after that many seconds: on a loaded machine a
+process at this priority can take many seconds to have its workers' requests in flight, and a test that measures
+the flood needs it at full strength first. Runs until its stdin closes, then prints one JSON object:
+``{"ok", "refused", "other", "refusals"}`` (at most 50 refusals, each ``[headers, body]``). A refused worker
+backs off by ``retry-after`` (capped at 2 s), as the OpenAI client does. Every answer is ``MAX_TOKENS`` (32)
+tokens long (``ignore_eos``): how long a request holds its slot does not depend on when a random-weight model
+happens to stop. Make it long enough that ``WORKERS`` requests
 overlap even when this low-priority process gets little CPU -- a flood of answers shorter than the time it takes
 to send the next request never exceeds a concurrency limit.
 """
@@ -52,9 +56,11 @@ def demote() -> str:
     return ", ".join(done)
 
 
-def main(base_url: str, key: str, model: str, workers: int, max_tokens: int = 32) -> None:
+def main(base_url: str, key: str, model: str, workers: int, max_tokens: int = 32,
+         until_refused_s: float = 0) -> None:
     how = demote()
     stop = threading.Event()
+    refused = threading.Event()
     lock = threading.Lock()
     out: dict = {"ok": 0, "refused": 0, "other": [], "refusals": []}
 
@@ -79,6 +85,7 @@ def main(base_url: str, key: str, model: str, workers: int, max_tokens: int = 32
                     else:
                         out["other"].append(r.status_code)
                 if r.status_code == 429:
+                    refused.set()
                     time.sleep(min(float(r.headers.get("retry-after", 1)), 2.0))
 
     threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
@@ -86,6 +93,8 @@ def main(base_url: str, key: str, model: str, workers: int, max_tokens: int = 32
         t.start()
     print("started", flush=True)
     print(f"flood: {how}", file=sys.stderr, flush=True)
+    if until_refused_s > 0:
+        print("refused" if refused.wait(until_refused_s) else "not refused", flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     stop.set()
     for t in threads:
@@ -97,7 +106,8 @@ def main(base_url: str, key: str, model: str, workers: int, max_tokens: int = 32
 class Flood:
     """``workers`` clients sending ``key``'s requests for ``model`` until stopped, in a process of their own under
     ``nice -n 19`` (module docstring); counts answers over every start/stop and keeps up to 50 refusals
-    (headers, body)."""
+    (headers, body). :meth:`start` returns after ``ramp_s``, or with ``until_refused_s`` once the flood was refused
+    (at most that many seconds; :attr:`refused_at_start` says whether it was)."""
 
     base_url: str
     key: str
@@ -105,6 +115,8 @@ class Flood:
     workers: int = 12
     max_tokens: int = 32
     ramp_s: float = 2.0
+    until_refused_s: float = 0.0
+    refused_at_start: bool | None = None
     ok: int = 0
     refused: int = 0
     other: list = field(default_factory=list)
@@ -114,10 +126,13 @@ class Flood:
     def start(self) -> "Flood":
         self._proc = subprocess.Popen(
             ["nice", "-n", "19", sys.executable, "-m", "lmfleet.testing.flood", self.base_url, self.key, self.model,
-             str(self.workers), str(self.max_tokens)],
+             str(self.workers), str(self.max_tokens), str(self.until_refused_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
         assert self._proc.stdout.readline().strip() == "started"
-        time.sleep(self.ramp_s)  # the flood holds its admitted slots and its refused workers back off
+        if self.until_refused_s > 0:  # the flood answers within until_refused_s (module docstring)
+            self.refused_at_start = self._proc.stdout.readline().strip() == "refused"
+        else:
+            time.sleep(self.ramp_s)  # the flood holds its admitted slots and its refused workers back off
         return self
 
     def stop(self) -> None:
@@ -160,4 +175,5 @@ def p99(xs: list[float]) -> float:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *(int(a) for a in sys.argv[5:6]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *(int(a) for a in sys.argv[5:6]),
+         *(float(a) for a in sys.argv[6:7]))
