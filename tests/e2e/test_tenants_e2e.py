@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "tiny"  # cheapest engine; overflow is off for it
 FLOOD_WORKERS = 12  # 3x tenant-a's max_concurrency (4, conftest.py)
-FLOOD_TOKENS = 256  # tiny answers 32 tokens in ~25 ms: the niced flood would not hold more than 4 in flight
+FLOOD_TOKENS = 256  # answers long enough that the niced flood's requests overlap (tiny answers 32 tokens in ~25 ms)
 B_REQUESTS = 20  # B's requests while A floods
 FLOOD_WAIT_S = 90  # at most this long for A's flood to be refused once before B's requests start
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",

@@ -16,9 +16,9 @@ the flood needs it at full strength first. Runs until its stdin closes, then pri
 ``{"ok", "refused", "other", "refusals"}`` (at most 50 refusals, each ``[headers, body]``). A refused worker
 backs off by ``retry-after`` (capped at 2 s), as the OpenAI client does. Every answer is ``MAX_TOKENS`` (32)
 tokens long (``ignore_eos``): how long a request holds its slot does not depend on when a random-weight model
-happens to stop. Make it long enough that ``WORKERS`` requests
-overlap even when this low-priority process gets little CPU -- a flood of answers shorter than the time it takes
-to send the next request never exceeds a concurrency limit.
+happens to stop. Make it long enough that ``WORKERS`` requests overlap even when this low-priority process gets
+little CPU -- a flood of answers shorter than the time it takes to send the next request never exceeds a
+concurrency limit.
 """
 
 from __future__ import annotations
