@@ -28,7 +28,8 @@ def validate(path: Path = typer.Argument(..., help="Fleet file to check.")) -> N
 
 @app.command("show")
 def show(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Fleet file (default: the embedded default fleet)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c",
+                                          help="Fleet file (default: the embedded default fleet)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of YAML."),
 ) -> None:
     """Print the fleet as lmfleet reads it, every default filled in; passwords, keys and tokens show as ***."""

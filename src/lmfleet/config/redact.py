@@ -39,8 +39,9 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # leave a tail behind
 _URL_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:@/?#'\"]*:)(?P<secret>[^\s'\"]*)(?P<tail>@)")
 _QUERY_PARAM = re.compile(r"(?P<head>[?&;](?P<name>[^=&#\s'\"]+)=)(?P<secret>[^&#\s'\"]*)")
-_ASSIGNMENT = re.compile(r"(?P<head>(?<![\w./-])(?P<name>[A-Za-z_][A-Za-z0-9_]*)=)(?P<secret>'[^']*'|\"[^\"]*\"|[^\s'\"&;]+)")
-_FLAG = re.compile(r"(?P<head>(?<!\S)--?(?P<name>[A-Za-z][\w-]*)(=|\s+))(?P<secret>'[^']*'|\"[^\"]*\"|[^\s'\"-][^\s'\"]*)")
+_QUOTED = r"'[^']*'|\"[^\"]*\""
+_ASSIGNMENT = re.compile(rf"(?P<head>(?<![\w./-])(?P<name>[A-Za-z_][A-Za-z0-9_]*)=)(?P<secret>{_QUOTED}|[^\s'\"&;]+)")
+_FLAG = re.compile(rf"(?P<head>(?<!\S)--?(?P<name>[A-Za-z][\w-]*)(=|\s+))(?P<secret>{_QUOTED}|[^\s'\"-][^\s'\"]*)")
 _AUTH_HEADER = re.compile(r"(?P<head>\b(?P<name>authorization|proxy-authorization|x-api-key|api-key)\s*:\s*"
                           r"(?:(?:bearer|basic|token)\s+)?)(?P<secret>[^\s'\"]+)", re.I)
 
