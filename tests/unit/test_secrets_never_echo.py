@@ -127,6 +127,12 @@ def test_loader_error_object_holds_no_secret():
     assert len(e.value.problems) == 2
 
 
+def test_a_refused_value_under_a_secret_name_is_masked_whatever_its_type():
+    with pytest.raises(ConfigError) as e:
+        parse_config({"models": [{**MODEL, "engine": {"env": {"HF_TOKEN": 98765432}}}]})
+    assert "98765432" not in str(e.value) and f"(got {MASK!r})" in str(e.value), str(e.value)
+
+
 # ---- the gateway: env values the fleet names (admin key, client keys, provider key) ---------------------------
 
 ADMIN_KEY = f"{SECRET}-admin"
