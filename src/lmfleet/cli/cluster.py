@@ -31,6 +31,7 @@ from lmfleet.cluster.placement import nodes_from_cluster, plan_placement
 from lmfleet.cluster.probe import collect_status
 from lmfleet.cluster.status import render_status
 from lmfleet.config.models import FleetConfig
+from lmfleet.config.redact import redact_text
 
 app = typer.Typer(help="Start, join and inspect the Ray cluster the fleet runs on.", no_args_is_help=True)
 
@@ -88,10 +89,10 @@ def up(
     path, text = _launcher_file(cfg)
     for w in launcher_warnings(cfg.cluster):
         typer.echo(f"lmfleet: warning: {w}", err=True)
-    if print_only:
-        typer.echo(f"# {path}\n{text}")
+    if print_only:  # a terminal, a CI log: secrets in setup_commands show masked (the written file keeps them)
+        typer.echo(redact_text(f"# {path}\n{text}"))
         typer.echo("# Or by hand, without ray up:")
-        typer.echo("\n".join(manual_commands(cfg.cluster)))
+        typer.echo(redact_text("\n".join(manual_commands(cfg.cluster))))
         _show_plan(cfg)
         return
     _ensure_token(cfg.cluster.auth_token_path)

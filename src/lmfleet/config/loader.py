@@ -1,9 +1,12 @@
-"""Read ``fleet.yaml`` into a :class:`FleetConfig`, with errors that name file, line, key path and expectation."""
+"""Read ``fleet.yaml`` into a :class:`FleetConfig`, with errors that name file, line, key path and expectation.
+
+Errors quote the values they refuse, with every secret masked (:mod:`lmfleet.config.redact`)."""
 
 from __future__ import annotations
 
 import difflib
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -12,9 +15,11 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from lmfleet.config.models import FleetConfig
+from lmfleet.config.redact import redact, redact_text, secret_values
 from lmfleet.errors import LmfleetError
 
 DEFAULT_FLEET = "default.yaml"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class ConfigError(LmfleetError):
@@ -98,7 +103,12 @@ def _describe(err: dict[str, Any]) -> str:
     got = err.get("input")
     if isinstance(got, (dict, list)):
         return msg
-    return f"{msg} (got {got!r})"
+    key = str(loc[-1]) if loc else ""
+    if key.endswith("_env") and isinstance(got, str) and not _ENV_NAME.fullmatch(got):
+        # a refused variable name is often the secret itself, pasted where its variable's name belongs
+        return (f"{msg} (got a value that is not an environment variable name; not shown, as it may be the secret: "
+                f"put the secret in an environment variable and name that variable here)")
+    return f"{msg} (got {redact(got, key)!r})"
 
 
 def parse_config(data: Any, source: str = "<config>", text: str | None = None) -> FleetConfig:
@@ -110,12 +120,13 @@ def parse_config(data: Any, source: str = "<config>", text: str | None = None) -
         return FleetConfig.model_validate(data)
     except ValidationError as e:
         lines = _node_lines(text) if text else {}
+        secrets = secret_values(data)
         problems = []
         for err in e.errors():
             loc = tuple(err["loc"])
             line = next((lines[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in lines), None)
             where = f"line {line}: " if line else ""
-            problems.append(f"{where}{_fmt_path(loc)}: {_describe(err)}")
+            problems.append(redact_text(f"{where}{_fmt_path(loc)}: {_describe(err)}", secrets))
         raise ConfigError(source, problems) from None
 
 
