@@ -174,3 +174,33 @@ def unknown_dialect_message(name: str) -> str:
     """What configuration says of a dialect name not in the table."""
     return (f"unknown dialect {name!r}; known: {', '.join(sorted(DIALECTS))} "
             "(or leave it out: it is detected from base_url)")
+
+
+def _names(*names: str | None) -> str:
+    return ", ".join(f"`{n}`" for n in names if n) or "–"
+
+
+def markdown_table() -> str:
+    """The table as docs/providers.md shows it (``python -m lmfleet.dialects``)."""
+    rows = ["| Dialect | Detected from host | Auth header | Stream usage | Sends `include_usage` | Reasoning keys "
+            "| Rate-limit headers read | Client's errors | Provider's errors |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    where = {"chunk": "own last chunk", "last": "last content chunk", "x_groq": "`x_groq.usage`"}
+    for d in DIALECTS.values():
+        r = d.rate_limits
+        provider = _names(*sorted(d.provider_error_codes))
+        if d.provider_error_statuses:
+            statuses = ", ".join(f"HTTP {s}" for s in sorted(d.provider_error_statuses))
+            provider = statuses if provider == "–" else f"{provider}, {statuses}"
+        usage_asked = "yes" if d.asks_usage else "no" if d.stream_options else "no (`stream_options` left out)"
+        rows.append(" | ".join([
+            f"| `{d.name}`", _names(*d.hosts) if d.hosts else "any other", f"`{d.auth_header}: {d.auth_prefix}KEY`",
+            where[d.stream_usage], usage_asked, _names(*d.reasoning_keys),
+            _names(r.retry_after_ms, r.retry_after, r.remaining_requests, r.reset_requests, r.remaining_tokens,
+                   r.reset_tokens),
+            _names(*sorted(d.client_error_codes)), provider]) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -5,12 +5,13 @@ where usage and reasoning are found, and the fake provider's emulations (tables 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from multidict import CIMultiDict
 
 from lmfleet.config import ConfigError, parse_config
-from lmfleet.dialects import DIALECTS, GENERIC, REASONING_KEYS, USAGE_PATHS, detect, resolve
+from lmfleet.dialects import DIALECTS, GENERIC, REASONING_KEYS, USAGE_PATHS, detect, markdown_table, resolve
 from lmfleet.gateway.relay import sse
 from lmfleet.gateway.relay.upstream import Endpoint, HttpPool, _error_from_response, prepare_body, retry_after_from
 from lmfleet.gateway.relay.usage import answer_text
@@ -180,3 +181,9 @@ def test_the_fake_provider_emulates_every_dialect_from_its_entry(name):
     assert ok.status == 200 and ok.events[-1] == b"data: [DONE]\n\n"
     other = "api-key" if d.auth_header == "authorization" else "authorization"
     assert answer(name, True, req, {other: "sk-1"}, Directives(), max_tokens=8, model="m").status == 401
+
+
+def test_the_docs_show_the_table_as_it_is():
+    """docs/providers.md carries ``python -m lmfleet.dialects``'s output; after changing the table, print it again."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "providers.md").read_text()
+    assert markdown_table() in docs
