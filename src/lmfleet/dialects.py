@@ -20,6 +20,7 @@ lmfleet, so configuration, the gateway and the test servers can all read it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -85,12 +86,18 @@ class Dialect:
         """The request headers that carry ``api_key`` ({} without one)."""
         return {self.auth_header: f"{self.auth_prefix}{api_key}"} if api_key else {}
 
-    @property
+    @cached_property
     def usage_path(self) -> tuple[str, ...]:
         """Where a stream's usage object sits in its chunk."""
         return ("x_groq", "usage") if self.stream_usage == "x_groq" else ("usage",)
 
-    @property
+    @cached_property
+    def usage_marker(self) -> bytes:
+        """Bytes every event that carries this dialect's usage contains: a relay's cheap test for the one event
+        of a stream it must parse."""
+        return b'"%s":' % self.usage_path[-1].encode()
+
+    @cached_property
     def asks_usage(self) -> bool:
         """The gateway sends ``stream_options.include_usage``: the provider's usage comes only when asked."""
         return self.stream_usage == "chunk" and self.stream_options

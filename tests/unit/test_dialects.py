@@ -158,6 +158,7 @@ def test_usage_and_reasoning_are_found_wherever_a_dialect_puts_them():
     groq = {"choices": [], "x_groq": {"id": "r", "usage": {"prompt_tokens": 3, "completion_tokens": 4}}}
     assert sse.usage_of(groq) == (3, 4)
     assert sse.usage_of(groq, paths=(("usage",),)) is None
+    assert all(d.usage_marker == b'"usage":' for d in DIALECTS.values())  # what the relay's fast path tests for
     assert {"reasoning_content", "reasoning"} <= set(REASONING_KEYS)
     for key in REASONING_KEYS:
         assert answer_text({"choices": [{"delta": {key: "hm", "content": "ok"}}]}) == "okhm"
@@ -187,3 +188,9 @@ def test_the_docs_show_the_table_as_it_is():
     """docs/providers.md carries ``python -m lmfleet.dialects``'s output; after changing the table, print it again."""
     docs = (Path(__file__).resolve().parents[2] / "docs" / "providers.md").read_text()
     assert markdown_table() in docs
+
+
+@pytest.mark.parametrize("name", ["openai", "azure"])
+def test_the_key_is_redacted_whichever_header_carries_it(name):
+    err = _error_from_response(_endpoint(name), 401, _err(None, "bad key sk-secret"), CIMultiDict())
+    assert "sk-secret" not in err.message and "***" in err.message
