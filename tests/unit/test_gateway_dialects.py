@@ -1,10 +1,12 @@
 """Overflow to providers as they really answer: the gateway in front of the fake OpenAI server speaking each
-provider's dialect (:mod:`lmfleet.testing.fast_openai_server`, ``--dialect``), a real HTTP server as the provider.
+provider's dialect (:mod:`lmfleet.testing.fast_openai_server`, ``--dialect``), a real HTTP server as the provider,
+configured with that dialect (``providers[].dialect``): every entry of :data:`lmfleet.dialects.DIALECTS`.
 
 Per dialect: the answer, its tool calls and its reasoning arrive intact under the client's model name, the
 provider's own name comes in ``x-lmfleet-upstream-model`` and the ledger, usage is read wherever the provider
 puts it and charged; without usage the answer is counted with the model's tokenizer and charged as estimated;
-each dialect's 429, 5xx and content-filter answers move the breaker and the retries as their shape says.
+each dialect's 429, 5xx, content-filter and out-of-credit answers move the breaker and the retries as their shape
+says. Adding a dialect: its row in :data:`EXPECTED_RETRY_AFTER_S`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import json
 import httpx
 import pytest
 
-from lmfleet.testing.fast_openai_server import DIALECTS, REASONING, TOOL_ARGUMENTS, FastServer
+from lmfleet.dialects import DIALECTS
+from lmfleet.testing.fake_provider import EMULATIONS, REASONING, TOOL_ARGUMENTS, emulation
+from lmfleet.testing.fast_openai_server import FastServer
 from lmfleet.testing.gateway_fakes import chat_json, make_gateway
 
 NAMES = sorted(DIALECTS)
@@ -61,8 +65,10 @@ def no_local(req: httpx.Request) -> httpx.Response:
     raise AssertionError("the local deployment is down in these tests")
 
 
-def gateway(tmp_path, providers: dict):
-    app = make_gateway(tmp_path, no_local, providers, ready=False)  # local not ready: every request overflows
+def gateway(tmp_path, providers: dict, dialect: str):
+    """The gateway with ``providers``, each configured to speak ``dialect``."""
+    app = make_gateway(tmp_path, no_local, providers, ready=False,  # local not ready: every request overflows
+                       provider_extra={"dialect": dialect})
     app.state.gateway.start()
     _STARTED.append(app)
     return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
@@ -78,12 +84,12 @@ def events_of(text: str) -> list[dict]:
 
 def assemble(chunks: list[dict]) -> dict:
     """A streamed chat answer put together the way the openai client does: text, reasoning, tool calls."""
-    msg: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    msg: dict = {"content": "", "reasoning": "", "tool_calls": {}}
     for c in chunks:
         for ch in c.get("choices") or ():
             d = ch.get("delta") or {}
             msg["content"] += d.get("content") or ch.get("text") or ""
-            msg["reasoning_content"] += d.get("reasoning_content") or ""
+            msg["reasoning"] += d.get("reasoning_content") or d.get("reasoning") or ""
             for tc in d.get("tool_calls") or ():
                 call = msg["tool_calls"].setdefault(tc["index"], {"name": "", "arguments": ""})
                 fn = tc.get("function") or {}
@@ -106,7 +112,7 @@ def cost(prompt: int, completion: int) -> float:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("dialect", NAMES)
 async def test_tool_call_answer_through_each_dialect(servers, tmp_path, dialect, stream):
-    app, c = gateway(tmp_path, {"p": servers[dialect]})
+    app, c = gateway(tmp_path, {"p": servers[dialect]}, dialect)
     body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "stream": stream,
             "tools": TOOLS, "tool_choice": TOOL_CHOICE}
     r = await c.post("/v1/chat/completions", json=body)
@@ -124,12 +130,13 @@ async def test_tool_call_answer_through_each_dialect(servers, tmp_path, dialect,
         obj = r.json()
         assert obj["model"] == "m"
         msg = obj["choices"][0]["message"]
+        msg["reasoning"] = msg.get("reasoning_content") or msg.get("reasoning") or ""
         calls = [tc["function"] for tc in msg["tool_calls"]]
     # tools and tool_choice reached the provider: it called the function tool_choice named, arguments whole
     assert calls == [{"name": "get_time", "arguments": TOOL_ARGUMENTS}]
-    assert (msg.get("reasoning_content") or "") == (REASONING if DIALECTS[dialect].reasoning else "")
+    assert msg["reasoning"] == (REASONING if emulation(dialect).reasoning else "")
     row = await last_row(app)
-    completion = len(TOOL_ARGUMENTS.split()) + (len(REASONING.split()) if DIALECTS[dialect].reasoning else 0)
+    completion = len(TOOL_ARGUMENTS.split()) + (len(REASONING.split()) if emulation(dialect).reasoning else 0)
     assert (row["input_tokens"], row["output_tokens"]) == (len(PROMPT.split()), completion)  # the provider's
     assert row["usage_source"] == "provider" and row["upstream_model"] == answer_model(dialect)
     assert row["cost_usd"] == pytest.approx(cost(len(PROMPT.split()), completion))
@@ -137,7 +144,7 @@ async def test_tool_call_answer_through_each_dialect(servers, tmp_path, dialect,
 
 @pytest.mark.parametrize("dialect", NAMES)
 async def test_streamed_text_and_usage_when_the_client_asks(servers, tmp_path, dialect):
-    app, c = gateway(tmp_path, {"p": servers[dialect]})
+    app, c = gateway(tmp_path, {"p": servers[dialect]}, dialect)
     body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5, "stream": True,
             "stream_options": {"include_usage": True}}
     r = await c.post("/v1/chat/completions", json=body)
@@ -148,7 +155,7 @@ async def test_streamed_text_and_usage_when_the_client_asks(servers, tmp_path, d
     text = r.text
     assert text.rstrip().endswith("data: [DONE]")
     usages = [ch.get("usage") or ch.get("x_groq", {}).get("usage") for ch in chunks]
-    reasoning = len(REASONING.split()) if DIALECTS[dialect].reasoning else 0
+    reasoning = len(REASONING.split()) if emulation(dialect).reasoning else 0
     assert [u for u in usages if u] == [{"prompt_tokens": 7, "completion_tokens": 5 + reasoning,
                                          "total_tokens": 12 + reasoning}]
     row = await last_row(app)
@@ -168,7 +175,7 @@ def expected_prompt(kind: str, tools: bool) -> int:
 @pytest.mark.parametrize("kind,tools", [("chat", False), ("chat", True), ("completions", False)])
 @pytest.mark.parametrize("dialect", ["openai", "together", "groq"])
 async def test_answer_without_usage_is_estimated_and_charged(servers, tmp_path, dialect, kind, tools, stream):
-    app, c = gateway(tmp_path, {"p": servers[f"{dialect}/no-usage"]})
+    app, c = gateway(tmp_path, {"p": servers[f"{dialect}/no-usage"]}, dialect)
     if kind == "chat":
         body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}]}
         if tools:
@@ -194,14 +201,19 @@ def provider_ok(req: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json=chat_json(json.loads(req.content)["model"], "Remote."))
 
 
-EXPECTED_RETRY_AFTER_S = {"openai": 1.5, "azure": 2.0, "deepseek": None, "openrouter": None, "together": 1.0,
-                          "fireworks": 3.0, "groq": 2.0}
-"""What each dialect's 429 asks for (None: nothing the gateway reads; the breaker's default applies)."""
+EXPECTED_RETRY_AFTER_S = {"openai-compatible": 1.0, "openai": 1.5, "azure": 2.0, "deepseek": None, "openrouter": None,
+                          "together": 1.0, "fireworks": 3.0, "groq": 2.0}
+"""What each dialect's 429 asks for (None: nothing the gateway reads; the breaker's default applies). One row per
+dialect of the table."""
+
+
+def test_every_dialect_has_its_row():
+    assert set(EXPECTED_RETRY_AFTER_S) == set(DIALECTS)
 
 
 @pytest.mark.parametrize("dialect", NAMES)
 async def test_rate_limited_blocks_the_provider_for_what_its_headers_say(servers, tmp_path, dialect):
-    app, c = gateway(tmp_path, {"p": servers[dialect], "q": provider_ok})
+    app, c = gateway(tmp_path, {"p": servers[dialect], "q": provider_ok}, dialect)
     body = {"model": "m", "messages": [{"role": "user", "content": f"hi [fake:429#{dialect}]"}], "max_tokens": 2}
     r = await c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/q"
@@ -215,7 +227,7 @@ async def test_rate_limited_blocks_the_provider_for_what_its_headers_say(servers
 async def test_server_error_moves_on_to_the_next_provider(servers, tmp_path, dialect, stream):
     """A provider's 5xx (a retryable failure) counts against its breaker and the request goes on to the next
     backend of its plan (here the same server under a second name, which answers)."""
-    app, c = gateway(tmp_path, {"p": servers[dialect], "q": servers[dialect]})
+    app, c = gateway(tmp_path, {"p": servers[dialect], "q": servers[dialect]}, dialect)
     body = {"model": "m", "messages": [{"role": "user", "content": f"hi [fake:5xx*1#{dialect}{stream}]"}],
             "max_tokens": 2, "stream": stream}
     r = await c.post("/v1/chat/completions", json=body)
@@ -234,10 +246,34 @@ async def test_azure_content_filter_is_the_clients_400_and_not_a_provider_failur
         calls.append(req)
         return provider_ok(req)
 
-    app, c = gateway(tmp_path, {"p": servers["azure"], "q": q})
+    app, c = gateway(tmp_path, {"p": servers["azure"], "q": q}, "azure")
     body = {"model": "m", "messages": [{"role": "user", "content": "something violent [fake:filter]"}]}
     r = await c.post("/v1/chat/completions", json=body)
     assert r.status_code == 400
     assert "content management policy" in r.json()["error"]["message"]
     assert calls == []  # the request itself is refused: no other provider is asked
     assert app.state.gateway.providers["p"].breaker.state().value == "closed"
+
+
+@pytest.mark.parametrize("dialect", sorted(d for d, e in EMULATIONS.items() if e.out_of_credit))
+async def test_out_of_credit_is_the_providers_failure_and_moves_on(servers, tmp_path, dialect):
+    """An account out of quota or balance (OpenAI's 429 ``insufficient_quota``, a 402) is not a rate limit and
+    not the client's: the provider's breaker counts a failure and the next backend serves."""
+    app, c = gateway(tmp_path, {"p": servers[dialect], "q": provider_ok}, dialect)
+    body = {"model": "m", "messages": [{"role": "user", "content": f"hi [fake:credit#{dialect}]"}], "max_tokens": 2}
+    r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/q"
+    m = app.state.gateway.recorder.metrics
+    assert m.upstream_failures.labels("provider/p", "UpstreamMisconfigured")._value.get() == 1
+    assert app.state.gateway.providers["p"].breaker.retry_after_s() == 0
+
+
+async def test_a_key_in_the_wrong_header_is_refused(servers, tmp_path):
+    """The fake checks the auth header its dialect names: the gateway configured as OpenAI sends
+    ``Authorization`` to an Azure deployment, which refuses it: the gateway's misconfiguration, never relayed
+    as the client's fault (here nothing else serves: 5xx)."""
+    app, c = gateway(tmp_path, {"p": servers["azure"]}, "openai")
+    r = await c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code >= 500
+    m = app.state.gateway.recorder.metrics
+    assert m.upstream_failures.labels("provider/p", "UpstreamMisconfigured")._value.get() == 1

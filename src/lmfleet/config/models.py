@@ -19,6 +19,7 @@ from lmfleet.config.tenants import (
     default_priority_classes,
     tenant_validation_error,
 )
+from lmfleet.dialects import DIALECTS, unknown_dialect_message
 from lmfleet.models.registry import BUILTIN_ENGINE_DEFAULTS, BUILTIN_MODELS
 
 _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
@@ -563,6 +564,9 @@ class ProviderConfig(_Strict):
         None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Env var holding the provider API key (never inline)."
     )
     model_map: dict[str, str] = Field(..., min_length=1, description="Local model name -> provider model name.")
+    dialect: str | None = Field(
+        None, description="How the provider differs from the OpenAI API (auth header, usage, rate-limit headers, "
+        "error codes): one of lmfleet.dialects.DIALECTS. Null: detected from base_url's host.")
     price: ProviderPrice = Field(default_factory=ProviderPrice)
     timeouts: ProviderTimeouts = Field(default_factory=ProviderTimeouts)
     max_concurrency: int | None = Field(None, ge=1, description="Cap on requests in flight to this provider.")
@@ -574,6 +578,13 @@ class ProviderConfig(_Strict):
     def _not_a_route(cls, v: str) -> str:
         if v in ("local", "reject"):
             raise ValueError(f"provider name {v!r} is reserved (a routing target); pick another name")
+        return v
+
+    @field_validator("dialect")
+    @classmethod
+    def _known_dialect(cls, v: str | None) -> str | None:
+        if v is not None and v not in DIALECTS:
+            raise ValueError(unknown_dialect_message(v))
         return v
 
 

@@ -1,6 +1,8 @@
 """Test and benchmark tooling, not product code: what lmfleet's tests and benchmarks both import.
 
 - ``fast_openai_server``: a fake OpenAI server (raw asyncio) that streams at a chosen pace.
+- ``fake_provider``: how that server answers in a provider's dialect (``--dialect``), read from
+  :data:`lmfleet.dialects.DIALECTS`.
 - ``fault_proxy``: a reverse proxy that injects faults between the gateway and an upstream.
 - ``gateway_fakes``: the real gateway in front of fake backends served in-process.
 - ``gateway_fuzz``: property-based fuzzing of the gateway's OpenAI routes (needs ``hypothesis``).

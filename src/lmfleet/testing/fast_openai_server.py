@@ -11,11 +11,12 @@ Ray Serve's do, so the server can stand in for a local model too.
 
     python -m lmfleet.testing.fast_openai_server --port 18555 [--ttft-ms 0] [--itl-ms 0] [--served-by local/x]
 
-``--dialect NAME`` answers the way one real provider does (:data:`DIALECTS`: openai, azure, deepseek,
-openrouter, together, fireworks, groq): where its usage goes, its extra chunks and comment lines, reasoning,
-tool calls (streamed in pieces, as OpenAI does), and its 429 / 5xx / content-filter answers with their
-headers. A prompt asks for an error with ``[fake:429]``, ``[fake:5xx]`` or ``[fake:filter]``, optionally
-``[fake:5xx*2#id]``: only the first 2 requests carrying that directive fail. ``--no-usage`` sends no usage
+``--dialect NAME`` answers the way one real provider does (any of :data:`lmfleet.dialects.DIALECTS`, as
+:mod:`lmfleet.testing.fake_provider` emulates it): where its usage goes, its extra chunks and comment lines,
+reasoning, tool calls (streamed in pieces, as OpenAI does), a 401 for a key in another header than its own, and
+its 429 / 5xx / content-filter / out-of-credit answers with their headers. A prompt asks for an error with
+``[fake:429]``, ``[fake:5xx]``, ``[fake:filter]`` or ``[fake:credit]``, optionally ``[fake:5xx*2#id]``: only
+the first 2 requests carrying that directive fail. ``--no-usage`` sends no usage
 anywhere; ``--answer-model NAME`` answers with that model name instead of the one it was sent.
 
 ``--latency-model MEDIAN_MS,P99_MS,PER_TOKEN_MS`` (with ``--seed``) replaces the fixed delays with a hosted
@@ -33,127 +34,25 @@ import contextlib
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from typing import Any
 
+from lmfleet.dialects import DIALECTS
 from lmfleet.net import free_port
+from lmfleet.testing.fake_provider import REASONING, TOOL_ARGUMENTS, Directives, answer
 
-STATUS = {200: b"OK", 404: b"Not Found", 400: b"Bad Request", 429: b"Too Many Requests",
+__all__ = ["DIALECTS", "REASONING", "TOOL_ARGUMENTS", "FastServer", "Handler", "main", "parse_args"]
+
+STATUS = {200: b"OK", 404: b"Not Found", 400: b"Bad Request", 401: b"Unauthorized", 402: b"Payment Required",
+          429: b"Too Many Requests",
           500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 
 
-@dataclass(frozen=True)
-class ErrorShape:
-    """One error answer as a provider sends it: status, headers, JSON body."""
-
-    status: int
-    body: dict[str, Any]
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Dialect:
-    """How one provider answers an OpenAI-compatible request."""
-
-    name: str
-    usage_in: str
-    """Where a stream's usage goes: "chunk" (its own chunk with empty ``choices``, after
-    ``stream_options.include_usage``), "last" (in the last content chunk, always) or "x_groq"."""
-    rate_limited: ErrorShape
-    server_error: ErrorShape
-    content_filter: ErrorShape | None = None
-    comments: tuple[bytes, ...] = ()
-    """SSE comment lines sent before the first chunk."""
-    first_chunk: dict[str, Any] | None = None
-    """A chunk with empty ``choices`` sent before the first answer chunk."""
-    reasoning: bool = False
-    """Reasoning arrives first, as ``reasoning_content`` deltas (and in the whole answer's message)."""
-    usage_null: bool = False
-    """Every chunk carries ``"usage": null`` until the one with the usage."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Fields every chunk and whole answer carries."""
-
-
-_FILTER = {"hate": {"filtered": False, "severity": "safe"}, "self_harm": {"filtered": False, "severity": "safe"},
-           "sexual": {"filtered": False, "severity": "safe"}, "violence": {"filtered": False, "severity": "safe"}}
-
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (
-    Dialect("openai", "chunk", usage_null=True, extra={"system_fingerprint": "fp_fake"},
-            rate_limited=ErrorShape(429, {"error": {"message": "Rate limit reached for requests", "type": "requests",
-                                                    "param": None, "code": "rate_limit_exceeded"}},
-                                    {"retry-after-ms": "1500", "x-ratelimit-limit-requests": "500",
-                                     "x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "1.5s"}),
-            server_error=ErrorShape(503, {"error": {"message": "The engine is currently overloaded, please try "
-                                                    "again later", "type": "server_error", "param": None,
-                                                    "code": None}})),
-    Dialect("azure", "chunk",
-            first_chunk={"choices": [], "created": 0, "id": "", "model": "", "object": "",
-                         "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": _FILTER}]},
-            rate_limited=ErrorShape(429, {"error": {"code": "429", "message": "Requests to the "
-                                                    "ChatCompletions_Create Operation have exceeded the call rate "
-                                                    "limit. Please retry after 2 seconds."}},
-                                    {"retry-after": "2", "retry-after-ms": "2000",
-                                     "x-ratelimit-remaining-requests": "0"}),
-            server_error=ErrorShape(500, {"error": {"code": "InternalServerError", "message": "The service is "
-                                                    "temporarily unable to process your request."}}),
-            content_filter=ErrorShape(400, {"error": {
-                "message": "The response was filtered due to the prompt triggering Azure OpenAI's content "
-                           "management policy.", "type": None, "param": "prompt", "code": "content_filter",
-                "status": 400, "innererror": {"code": "ResponsibleAIPolicyViolation", "content_filter_result": {
-                    **_FILTER, "violence": {"filtered": True, "severity": "high"}}}}})),
-    Dialect("deepseek", "chunk", reasoning=True, comments=(b": keep-alive",), extra={"system_fingerprint": "fp_ds"},
-            rate_limited=ErrorShape(429, {"error": {"message": "Rate Limit Reached", "type": "rate_limit_error",
-                                                    "param": None, "code": "rate_limit_reached"}}),
-            server_error=ErrorShape(503, {"error": {"message": "Server overloaded", "type": "server_error",
-                                                    "param": None, "code": "server_overloaded"}})),
-    Dialect("openrouter", "chunk", comments=(b": OPENROUTER PROCESSING", b": OPENROUTER PROCESSING"),
-            extra={"provider": "FakeUpstream"},
-            # its X-RateLimit-Reset is an epoch time in ms, not a wait: the gateway does not read it
-            rate_limited=ErrorShape(429, {"error": {"message": "Rate limit exceeded: limit_rpm/fake", "code": 429,
-                                                    "metadata": {"provider_name": None}}},
-                                    {"X-RateLimit-Limit": "20", "X-RateLimit-Remaining": "0",
-                                     "X-RateLimit-Reset": "1764763200000"}),
-            server_error=ErrorShape(502, {"error": {"code": 502, "message": "Provider returned error",
-                                                    "metadata": {"provider_name": "FakeUpstream", "raw": "oops"}}})),
-    Dialect("together", "last", usage_null=True,
-            rate_limited=ErrorShape(429, {"error": {"message": "You have reached the rate limit",
-                                                    "type": "rate_limit_exceeded", "param": None, "code": None}},
-                                    {"retry-after": "1", "x-ratelimit-remaining": "0"}),
-            server_error=ErrorShape(503, {"error": {"message": "The server is overloaded or not ready yet.",
-                                                    "type": "server_error", "param": None, "code": None}})),
-    Dialect("fireworks", "last",
-            rate_limited=ErrorShape(429, {"error": {"object": "error", "type": "rate_limit_error",
-                                                    "code": "RATE_LIMIT_EXCEEDED", "message": "Request rate "
-                                                    "limit exceeded, please try again later"}},
-                                    {"x-ratelimit-limit-requests": "600", "x-ratelimit-remaining-requests": "0",
-                                     "x-ratelimit-reset-requests": "3s"}),
-            server_error=ErrorShape(500, {"error": {"object": "error", "type": "internal_server_error",
-                                                    "message": "server had an error"}})),
-    Dialect("groq", "x_groq",
-            rate_limited=ErrorShape(429, {"error": {"message": "Rate limit reached for model `fake` on tokens per "
-                                                    "minute (TPM). Please try again in 7.66s.", "type": "tokens",
-                                                    "code": "rate_limit_exceeded"}},
-                                    {"retry-after": "2", "x-ratelimit-limit-tokens": "6000",
-                                     "x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "7.66s",
-                                     "x-ratelimit-remaining-requests": "14399",
-                                     "x-ratelimit-reset-requests": "2m59.56s"}),
-            server_error=ErrorShape(503, {"error": {"message": "Service Unavailable",
-                                                    "type": "internal_server_error"}})),
-)}
-
-_DIRECTIVE = re.compile(r"\[fake:(429|5xx|filter)(?:\*(\d+))?(?:#\w+)?\]")
-TOOL_ARGUMENTS = '{"city": "Paris", "unit": "celsius"}'
-"""The arguments of every tool call a dialect answers with (streamed in three pieces)."""
-REASONING = " Let me think. The answer is short."
-
-
 class Handler(asyncio.Protocol):
-    fail_counts: dict[str, int] = {}
+    directives = Directives()
     """Requests seen per error directive (the whole server process)."""
 
     def __init__(self, opts: argparse.Namespace):
@@ -171,19 +70,19 @@ class Handler(asyncio.Protocol):
             if end < 0:
                 return
             head = self.buf[:end].decode("latin-1")
-            length = 0
+            headers = {}
             for line in head.split("\r\n")[1:]:
                 name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value)
+                headers[name.strip().lower()] = value.strip()
+            length = int(headers.get("content-length") or 0)
             if len(self.buf) < end + 4 + length:
                 return
             body = self.buf[end + 4:end + 4 + length]
             self.buf = self.buf[end + 4 + length:]
             method, path = head.split(" ", 2)[:2]
-            asyncio.get_running_loop().create_task(self.respond(method, path, body))
+            asyncio.get_running_loop().create_task(self.respond(method, path, body, headers))
 
-    async def respond(self, method: str, path: str, body: bytes) -> None:
+    async def respond(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
         t = self.transport
         if t is None or t.is_closing():
             return
@@ -199,7 +98,7 @@ class Handler(asyncio.Protocol):
         req = json.loads(body or b"{}")
         chat = path.endswith("chat/completions")
         if self.opts.dialect:
-            await self.respond_dialect(DIALECTS[self.opts.dialect], chat, req)
+            await self.respond_dialect(chat, req, headers)
             return
         n = max(1, min(int(req.get("max_tokens") or 16), self.opts.max_tokens))
         prompt = req.get("prompt") or " ".join(m.get("content", "") for m in req.get("messages", []))
@@ -251,121 +150,18 @@ class Handler(asyncio.Protocol):
         return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
     # ---- dialects ------------------------------------------------------------------------------
-    def failure(self, d: Dialect, prompt: str) -> ErrorShape | None:
-        """The error a prompt's ``[fake:...]`` directive asks for, while its count lasts."""
-        m = _DIRECTIVE.search(prompt)
-        if m is None:
-            return None
-        seen = self.fail_counts[m.group(0)] = self.fail_counts.get(m.group(0), 0) + 1
-        if m.group(2) is not None and seen > int(m.group(2)):
-            return None
-        kind = m.group(1)
-        if kind == "filter":
-            return d.content_filter or ErrorShape(400, {"error": {"message": "content filtered",
-                                                                  "type": "invalid_request_error"}})
-        return d.rate_limited if kind == "429" else d.server_error
-
-    def tool_name(self, req: dict[str, Any]) -> str | None:
-        """The function a tool call goes to: the one ``tool_choice`` names, else the first tool (None: no
-        call, when there are no tools or ``tool_choice`` is "none")."""
-        tools, choice = req.get("tools") or [], req.get("tool_choice")
-        if not tools or choice == "none":
-            return None
-        if isinstance(choice, dict):
-            return choice["function"]["name"]
-        return tools[0]["function"]["name"]
-
-    async def respond_dialect(self, d: Dialect, chat: bool, req: dict[str, Any]) -> None:
+    async def respond_dialect(self, chat: bool, req: dict[str, Any], headers: dict[str, str]) -> None:
         t = self.transport
         assert t is not None
-        messages = req.get("messages") or []
-        prompt = str(req.get("prompt") or " ".join(str(m.get("content") or "") for m in messages))
-        err = self.failure(d, prompt)
-        if err is not None:
-            payload = json.dumps(err.body).encode()
-            t.write(self.head(err.status, "application/json", len(payload), err.headers) + payload)
-            return
-        n = max(1, min(int(req.get("max_tokens") or 16), self.opts.max_tokens))
-        tool = self.tool_name(req) if chat else None
-        reasoning = d.reasoning and chat
-        words = [" tok"] * n
-        completion = (len(TOOL_ARGUMENTS.split()) if tool else n) + (len(REASONING.split()) if reasoning else 0)
-        prompt_tokens = len(prompt.split())
-        usage = None if self.opts.no_usage else {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                                 "total_tokens": prompt_tokens + completion}
-        model = self.opts.answer_model or req.get("model") or self.opts.model
-        base = {"id": "chatcmpl-fake", "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": model, **d.extra}
-        finish = "tool_calls" if tool else "length"
-        if self.opts.ttft_ms:
+        a = answer(self.opts.dialect, chat, req, headers, self.directives, max_tokens=self.opts.max_tokens,
+                   model=self.opts.answer_model or req.get("model") or self.opts.model, no_usage=self.opts.no_usage)
+        if a.status == 200 and self.opts.ttft_ms:
             await asyncio.sleep(self.opts.ttft_ms / 1000)
-        if not req.get("stream"):
-            if chat:
-                msg: dict[str, Any] = {"role": "assistant", "content": None if tool else "".join(words)}
-                if tool:
-                    msg["tool_calls"] = [{"id": "call_fake", "type": "function",
-                                          "function": {"name": tool, "arguments": TOOL_ARGUMENTS}}]
-                if reasoning:
-                    msg["reasoning_content"] = REASONING
-                choice = {"index": 0, "message": msg, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": "".join(words), "finish_reason": finish}
-            if d.first_chunk is not None:  # Azure: filter results in the answer too
-                base["prompt_filter_results"] = d.first_chunk["prompt_filter_results"]
-                choice["content_filter_results"] = _FILTER
-            obj = {**base, "choices": [choice]}
-            if usage is not None:
-                obj["usage"] = usage
-            if d.usage_in == "x_groq":
-                obj["x_groq"] = {"id": "req_fake"}
-            payload = json.dumps(obj).encode()
-            t.write(self.head(200, "application/json", len(payload)) + payload)
+        if a.body is not None:
+            t.write(self.head(a.status, "application/json", len(a.body), a.headers) + a.body)
             return
-        include = bool((req.get("stream_options") or {}).get("include_usage"))
-        base["object"] = "chat.completion.chunk" if chat else "text_completion"
-        if d.usage_null and include:
-            base["usage"] = None
-        events: list[bytes] = [c + b"\n\n" for c in d.comments]
-        if d.first_chunk is not None and chat:
-            events.append(_data(d.first_chunk))
-
-        def chunk(delta: dict[str, Any] | None, text: str | None = None, finish_reason: str | None = None,
-                  **more: Any) -> bytes:
-            c: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
-            if chat:
-                c["delta"] = delta or {}
-            else:
-                c["text"] = text or ""
-            if d.first_chunk is not None:
-                c["content_filter_results"] = _FILTER
-            return _data({**base, "choices": [c], **more})
-
-        first = {"x_groq": {"id": "req_fake"}} if d.usage_in == "x_groq" else {}
-        if chat:
-            events.append(chunk({"role": "assistant", "content": ""}, **first))
-            if reasoning:
-                events += [chunk({"content": None, "reasoning_content": w}) for w in re.findall(r" ?\S+", REASONING)]
-            if tool:
-                a = TOOL_ARGUMENTS
-                pieces = [a[:5], a[5:20], a[20:]]
-                events.append(chunk({"tool_calls": [{"index": 0, "id": "call_fake", "type": "function",
-                                                     "function": {"name": tool, "arguments": ""}}]}))
-                events += [chunk({"tool_calls": [{"index": 0, "function": {"arguments": p}}]}) for p in pieces]
-            else:
-                events += [chunk({"content": w}) for w in words]
-        else:
-            events += [chunk(None, w, **first) for w in words]
-        last: dict[str, Any] = {}
-        if usage is not None and d.usage_in == "last":
-            last["usage"] = usage
-        elif usage is not None and d.usage_in == "x_groq":
-            last["x_groq"] = {"id": "req_fake", "usage": usage}
-        events.append(chunk({}, "", finish, **last))
-        if usage is not None and d.usage_in == "chunk" and include:
-            events.append(_data({**base, "choices": [], "usage": usage}))
-        events.append(b"data: [DONE]\n\n")
         t.write(self.head(200, "text/event-stream", None))
-        for e in events:
+        for e in a.events:
             if self.opts.itl_ms:
                 await asyncio.sleep(self.opts.itl_ms / 1000)
             if t.is_closing():
@@ -377,10 +173,6 @@ class Handler(asyncio.Protocol):
     @staticmethod
     def chunk(data: bytes) -> bytes:
         return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-def _data(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

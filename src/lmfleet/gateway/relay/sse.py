@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lmfleet.dialects import USAGE_PATHS
 from lmfleet.errors import LmfleetError
 
 DONE = b"data: [DONE]"
@@ -162,18 +163,26 @@ def has_choices(event: bytes) -> bool:
     return b'"choices":[{' in event or b'"choices": [{' in event
 
 
-def usage_of(obj: Any) -> tuple[int, int] | None:
+def _at(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def usage_of(obj: Any, paths: tuple[tuple[str, ...], ...] = USAGE_PATHS) -> tuple[int, int] | None:
     """(prompt_tokens, completion_tokens) from a response or chunk, if it carries usage as non-negative integers
-    (an upstream that sends anything else is treated as sending no usage): under ``usage`` (OpenAI, and in the
-    last content chunk for Together and Fireworks) or ``x_groq.usage`` (Groq)."""
+    (an upstream that sends anything else is treated as sending no usage), at the first of ``paths`` that holds
+    an object: by default wherever a dialect puts it (:data:`lmfleet.dialects.USAGE_PATHS`: ``usage``, Groq's
+    ``x_groq.usage``)."""
     if not isinstance(obj, dict):
         return None
-    u = obj.get("usage")
-    if not isinstance(u, dict):
-        groq = obj.get("x_groq")  # Groq puts the last chunk's usage under its own key
-        u = groq.get("usage") if isinstance(groq, dict) else None
-        if not isinstance(u, dict):
-            return None
+    for path in paths:
+        if isinstance(u := _at(obj, path), dict):
+            break
+    else:
+        return None
     counts = [u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0]
     if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
         return None

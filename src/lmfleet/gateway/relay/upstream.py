@@ -1,7 +1,8 @@
 """Talking to one backend over HTTP: the local Ray Serve deployment of a model, or an external provider.
 
 Both are OpenAI-compatible endpoints, so one pair of calls (:func:`complete`, :func:`open_stream`) serves
-both; an :class:`Endpoint` says where to send, with which model name, credentials and time limits.
+both; an :class:`Endpoint` says where to send, with which model name, credentials, time limits and in which
+:mod:`dialect <lmfleet.dialects>` (what is sent in a stream's body, how a 429 and an error code are read).
 Failures are classified into the :class:`~lmfleet.gateway.front.errors.UpstreamError` tree here and nowhere else.
 
 The HTTP client is aiohttp: on this data path it costs ~0.3 ms of CPU per 32-token stream where httpx cost
@@ -22,6 +23,7 @@ from typing import Any
 import aiohttp
 import yarl
 
+from lmfleet.dialects import GENERIC, Dialect, RateLimitHeaders
 from lmfleet.errors import LmfleetError
 from lmfleet.gateway.front.errors import (
     UpstreamError,
@@ -97,6 +99,8 @@ class Endpoint:
     idle_timeout_s: float | None = None  # longest gap between stream chunks before the stream counts as stalled
     not_found_is_transient: bool = False
     """A 404 means the app is (re)deploying (Ray Serve's proxy), not that the client asked for something wrong."""
+    dialect: Dialect = field(default=GENERIC, repr=False, compare=False)
+    """The provider's quirks (a local deployment is vLLM: :data:`~lmfleet.dialects.GENERIC`)."""
 
     def within(self, remaining_s: float) -> "Endpoint":
         """The same endpoint with every time limit cut to what is left of the request's deadline."""
@@ -151,12 +155,12 @@ def parse_duration(value: str | None) -> float | None:
     return sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
-def retry_after_from(headers: Any) -> float | None:
-    """How long a provider asks to be left alone, from its answer's headers (None: it does not say), in order of
-    precision: ``retry-after-ms`` (OpenAI, Azure), ``retry-after`` (seconds or an HTTP date), then the reset of
-    an exhausted ``x-ratelimit-remaining-{requests,tokens}`` from ``x-ratelimit-reset-{requests,tokens}``
-    (OpenAI, Groq, Together)."""
-    ms = headers.get("retry-after-ms")
+def retry_after_from(headers: Any, names: RateLimitHeaders = GENERIC.rate_limits) -> float | None:
+    """How long a provider asks to be left alone, from its answer's headers (None: it does not say), reading only
+    the headers its dialect sends (``names``; by default every one known), in order of precision:
+    ``retry-after-ms``, ``retry-after`` (seconds or an HTTP date), then the longest reset of an exhausted window
+    (``x-ratelimit-remaining-…`` is ``0``), else the soonest reset."""
+    ms = headers.get(names.retry_after_ms) if names.retry_after_ms else None
     if ms:
         try:
             v = float(ms) / 1000
@@ -164,26 +168,34 @@ def retry_after_from(headers: Any) -> float | None:
                 return parse_retry_after(str(v))
         except ValueError:
             pass
-    v = parse_retry_after(headers.get("retry-after"))
+    v = parse_retry_after(headers.get(names.retry_after)) if names.retry_after else None
     if v is not None:
         return v
-    resets = {k: parse_duration(headers.get(f"x-ratelimit-reset-{k}")) for k in ("requests", "tokens")}
-    exhausted = [r for k, r in resets.items() if r is not None and headers.get(f"x-ratelimit-remaining-{k}") == "0"]
+    resets = [(rem, parse_duration(headers.get(reset))) for rem, reset in names.windows()]
+    exhausted = [r for rem, r in resets if r is not None and rem is not None and headers.get(rem) == "0"]
     if exhausted:
         return parse_retry_after(str(max(exhausted)))
-    known = [r for r in resets.values() if r is not None]
+    known = [r for _, r in resets if r is not None]
     return parse_retry_after(str(min(known))) if known else None
 
 
 def _error_from_response(ep: Endpoint, status: int, raw: bytes, headers: Any) -> UpstreamError:
+    code = None
     try:
         err = json.loads(raw).get("error") or {}
         message = err.get("message") if isinstance(err, dict) else str(err)
+        code = err.get("code") if isinstance(err, dict) else None
     except (ValueError, AttributeError):
         message = None
     message = redact(clean_message(message or raw[:300].decode(errors="replace") or f"HTTP {status}"), ep)
+    fault = ep.dialect.fault(status, code)
+    if fault == "client":
+        return UpstreamRejected(message, status=status if 400 <= status < 500 else 400)
+    if fault == "provider":
+        return UpstreamMisconfigured(message, status=status)
     if status == 429:
-        return UpstreamRateLimited(message, status=status, retry_after_s=retry_after_from(headers))
+        return UpstreamRateLimited(message, status=status,
+                                   retry_after_s=retry_after_from(headers, ep.dialect.rate_limits))
     if status >= 500 or status == 408 or (status == 404 and ep.not_found_is_transient):
         return UpstreamServerError(message, status=status)
     if status in (401, 403, 404):  # we chose the key, the path and the upstream model name, not the client
@@ -218,12 +230,10 @@ STREAM_ERRORS = (aiohttp.ClientError, OSError, SSEEventTooLarge, StreamStalled)
 
 
 def prepare_body(ep: Endpoint, body: dict[str, Any], stream: bool) -> bytes:
-    out = dict(body)
-    out["model"] = ep.upstream_model
-    if stream:
-        opts = dict(out.get("stream_options") or {})
-        opts["include_usage"] = True  # the ledger needs token counts; stripped again if the client did not ask
-        out["stream_options"] = opts
+    """The request as sent to ``ep``: its model name, and a stream's ``stream_options`` as its dialect takes
+    them (:meth:`~lmfleet.dialects.Dialect.stream_body`)."""
+    out = ep.dialect.stream_body(body) if stream else body
+    out = {**out, "model": ep.upstream_model}
     return json.dumps(out, separators=(",", ":")).encode()
 
 

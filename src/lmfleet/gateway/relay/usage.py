@@ -14,13 +14,17 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from lmfleet.dialects import REASONING_KEYS
 from lmfleet.gateway.relay import sse
 from lmfleet.gateway.routing.tokens import count_chat, count_completion
 
 PROVIDER = "provider"
+"""Usage source: the backend's own ``usage``."""
 ESTIMATED = "estimated"
-USAGE_SOURCES = (PROVIDER, ESTIMATED)
-"""Where a request's token counts came from: the backend's own ``usage``, or the gateway's count."""
+"""Usage source: the gateway's count."""
+
+_TEXT_KEYS = ("content", *REASONING_KEYS)
+"""The keys of a message or delta that carry generated text: content, and reasoning as any dialect sends it."""
 
 _OFFLOAD_CHARS = 16_000
 """Answers longer than this many characters are tokenized in a worker thread, off the event loop."""
@@ -33,7 +37,7 @@ def _message_text(m: Any) -> list[str]:
     arguments (what the provider bills as completion tokens)."""
     if not isinstance(m, dict):
         return []
-    out = [t for k in ("content", "reasoning_content", "reasoning") if isinstance(t := m.get(k), str)]
+    out = [t for k in _TEXT_KEYS if isinstance(t := m.get(k), str)]
     for call in m.get("tool_calls") or ():
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):

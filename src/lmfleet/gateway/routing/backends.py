@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lmfleet.config.models import ModelConfig, ProviderConfig
+from lmfleet.dialects import resolve as resolve_dialect
 from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.front.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
 from lmfleet.gateway.routing.health import HealthBoard
@@ -172,7 +173,8 @@ class ProviderBackend:
         self.name = cfg.name
         self.label = provider_label(cfg.name)
         self.client = client
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.dialect = resolve_dialect(cfg.dialect, cfg.base_url)
+        self._headers = self.dialect.auth_headers(api_key)
         self.breaker = breaker
         self.in_flight = 0
 
@@ -180,7 +182,7 @@ class ProviderBackend:
         t = self.cfg.timeouts
         return Endpoint(self.label, f"provider {self.name}", self.cfg.base_url.rstrip("/"), self.cfg.model_map[model],
                         self.client, self._headers, first_token_timeout_s=t.first_token_s, total_timeout_s=t.total_s,
-                        idle_timeout_s=t.first_token_s)
+                        idle_timeout_s=t.first_token_s, dialect=self.dialect)
 
     def healthy(self) -> bool:
         """The breaker lets requests through now (no side effect: see :meth:`acquire`)."""
