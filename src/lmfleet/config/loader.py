@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from lmfleet.config.models import FleetConfig
+from lmfleet.config.fleet import FleetConfig
 from lmfleet.errors import LmfleetError
 
 DEFAULT_FLEET = "default.yaml"

@@ -13,7 +13,7 @@ Two top-level keys of ``fleet.yaml``::
         priority: batch          # the class of a request without an x-lmfleet-priority header
         max_priority: interactive  # the most urgent class the header may ask for (null: ``priority``)
 
-This module imports nothing from ``lmfleet.config.models`` so that ``FleetConfig`` can hang these in
+This module imports nothing from ``lmfleet.config.fleet`` so that ``FleetConfig`` can hang these in
 without an import cycle; :func:`check_tenants` does the checks that need the whole file (model names,
 class names, duplicates) on any object shaped like ``FleetConfig`` (:class:`FleetLike`).
 """
