@@ -39,7 +39,6 @@ __all__ = [
     "TenantProblem",
     "TenantSettings",
     "TenantUpdate",
-    "TenantsConfig",
     "check_settings",
     "check_tenants",
     "default_priority_classes",
@@ -133,14 +132,6 @@ class TenantConfig(_Strict):
         if dupes:
             raise ValueError(f"tenant {self.name!r}: models repeated: {dupes}")
         return self
-
-
-class TenantsConfig(_Strict):
-    """The two tenancy keys together (for tools and tests that do not load a whole fleet file)."""
-
-    tenants: list[TenantConfig] = Field(default_factory=list, description="Tenants. Empty: one default tenant.")
-    priority_classes: PriorityClassList = Field(
-        default_factory=default_priority_classes, description="Priority classes, most urgent first by `order`.")
 
 
 class TenantSettings(_Strict):
