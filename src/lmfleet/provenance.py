@@ -8,19 +8,10 @@ only here; everything else carries it as an opaque string.
 
 from __future__ import annotations
 
-import enum
-
-__all__ = ["LOCAL_PREFIX", "PROVIDER_PREFIX", "Kind", "is_external", "local_label", "parse_label", "provider_label"]
+__all__ = ["LOCAL_PREFIX", "PROVIDER_PREFIX", "is_external", "local_label", "provider_label"]
 
 LOCAL_PREFIX = "local/"
 PROVIDER_PREFIX = "provider/"
-
-
-class Kind(str, enum.Enum):
-    """Where a request was served."""
-
-    LOCAL = "local"
-    PROVIDER = "provider"
 
 
 def local_label(model: str) -> str:
@@ -36,11 +27,3 @@ def provider_label(name: str) -> str:
 def is_external(label: str) -> bool:
     """Served by an external provider (costs money outside the fleet)."""
     return label.startswith(PROVIDER_PREFIX)
-
-
-def parse_label(label: str) -> tuple[Kind, str]:
-    """``"provider/acme"`` -> ``(Kind.PROVIDER, "acme")``; a label of neither form raises ``ValueError``."""
-    for kind, prefix in ((Kind.LOCAL, LOCAL_PREFIX), (Kind.PROVIDER, PROVIDER_PREFIX)):
-        if label.startswith(prefix) and len(label) > len(prefix):
-            return kind, label[len(prefix):]
-    raise ValueError(f"served-by label {label!r} is neither {LOCAL_PREFIX}MODEL nor {PROVIDER_PREFIX}NAME")

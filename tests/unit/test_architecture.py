@@ -116,6 +116,7 @@ def test_subpackages_have_no_import_cycles():
     ("lmfleet.profile.client.ProfileError", None),
     ("lmfleet.serve.apps.DeployError", RuntimeError),
     ("lmfleet.serve.proxy.ProxyError", RuntimeError),
+    ("lmfleet.testing.pg_server.PgUnavailable", RuntimeError),
 ])
 def test_exceptions_derive_from_lmfleet_error(path, builtin):
     """One root for lmfleet's exceptions; the builtin base stays where callers catch it."""

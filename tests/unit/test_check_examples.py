@@ -37,6 +37,19 @@ def test_example_fleet_passes_check_offline_through_the_cli(path):
         assert ("memory.fit", "pass") in statuses and not any(c == "memory.host" for c, _ in statuses)
 
 
+def test_embedded_default_passes_its_own_offline_check_without_warnings():
+    """`lmfleet check --offline` with no -c checks the embedded default: nothing to fix, so it exits 0."""
+    r = CliRunner().invoke(app, ["check", "--offline", "--json"])
+    report = json.loads(r.stdout)
+    findings = [f"{x['status']} {x['check']}: {x['message']}" for x in report["results"]
+                if x["status"] in ("warn", "fail")]
+    assert r.exit_code == 0 and not findings, findings
+
+
+def test_examples_default_is_the_embedded_default():
+    assert load_config(EXAMPLES / "default.yaml") == load_config(None)
+
+
 @pytest.mark.parametrize("path", MIX_FILES, ids=lambda p: p.name)
 def test_example_bench_mix_loads(path):
     from lmfleet.bench.workload import load_mix

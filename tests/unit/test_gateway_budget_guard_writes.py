@@ -11,7 +11,7 @@ import pytest
 from lmfleet.config.models import ProviderPrice
 from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.observe.metrics import GatewayMetrics
-from lmfleet.store import GLOBAL, Cap, Reservation, SqliteSpendStore, StoreUnavailable, UsageRecord
+from lmfleet.store import GLOBAL, Cap, Reservation, Spend, SqliteSpendStore, StoreUnavailable, UsageRecord
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,7 +57,7 @@ async def test_a_write_that_lands_reopens_the_route(store, finish):
     assert store.pending_writes == 0
     assert not guard.is_down and guard.last_error is None  # back without a probe
     assert metrics.registry.get_sample_value("lmfleet_budget_store_up") == 1
-    assert store.spent(3600.0).total_nusd == (1234 if finish == "settle" else 0)
+    assert store.spent(3600.0) == Spend(settled_nusd=1234 if finish == "settle" else 0, held_nusd=0)
 
 
 async def test_a_write_landing_before_the_failure_does_not_count(store):

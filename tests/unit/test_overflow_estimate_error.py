@@ -45,7 +45,7 @@ def test_per_model_and_share_of_threshold():
     a, b = estimate_errors(samples)
     assert (a.model, a.count, a.p90_abs_error_ms) == ("a", 1, 0.0)
     assert (b.model, b.count, b.median_abs_error_ms) == ("b", 2, 150.0)
-    assert b.p90_share_of(2500) == pytest.approx(b.p90_abs_error_ms / 2500)
+    assert b.as_dict(2500)["p90_abs_error_pct_of_threshold"] == round(100 * b.p90_abs_error_ms / 2500, 1)
     assert estimate_errors([]) == []
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import TypeAdapter
 
-from lmfleet.config.tenants import PriorityClass, TenantLimits, TenantsConfig, default_priority_classes
+from lmfleet.config.tenants import PriorityClass, PriorityClassList, TenantLimits, default_priority_classes
 from lmfleet.tenants import (
     Outcome,
     PriorityHeaderError,
@@ -30,8 +31,9 @@ def _tenant(*, priority=INTERACTIVE, top=None, pay=False, models=(), **limits) -
 
 # ---- the priority header -------------------------------------------------------------------------------------
 
-THREE = TenantsConfig(priority_classes=[{"name": "realtime", "order": 0}, {"name": "interactive", "order": 5},
-                                        {"name": "batch", "order": 9, "max_wait_s": 600}]).priority_classes
+THREE = TypeAdapter(PriorityClassList).validate_python([{"name": "realtime", "order": 0},
+                                                        {"name": "interactive", "order": 5},
+                                                        {"name": "batch", "order": 9, "max_wait_s": 600}])
 REALTIME, MID, LOW = THREE
 
 

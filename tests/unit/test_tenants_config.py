@@ -5,47 +5,33 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from pydantic import Field, ValidationError, model_validator
+from pydantic import TypeAdapter, ValidationError
 
 from lmfleet.config import FleetConfig, GatewayConfig
 from lmfleet.config.tenants import (
     PriorityClassList,
     TenantConfig,
     TenantProblem,
-    TenantsConfig,
     check_tenants,
     default_priority_classes,
-    tenant_validation_error,
 )
 
 
-class FleetWithTenants(FleetConfig):
-    """FleetConfig with the two lines docs/tenants.md proposes (models.py is not ours to edit)."""
-
-    tenants: list[TenantConfig] = Field(default_factory=list, description="Tenants: keys, limits, priorities.")
-    priority_classes: PriorityClassList = Field(default_factory=default_priority_classes,
-                                                description="Priority classes, most urgent first by `order`.")
-
-    @model_validator(mode="after")
-    def _tenant_refs(self) -> "FleetWithTenants":
-        problems = check_tenants(self)
-        if problems:
-            raise tenant_validation_error(problems)
-        return self
-
-
+TENANTS = TypeAdapter(list[TenantConfig])
+CLASSES = TypeAdapter(PriorityClassList)
 MODELS = [{"name": "smollm2", "source": "builtin:tiny-random"}, {"name": "tiny", "source": "builtin:tiny-random"}]
 
 
 def _fleet(tenants=(), classes=None, gateway=None) -> SimpleNamespace:
     """What check_tenants reads (``FleetLike``), each part validated, the cross-references not yet."""
-    cfg = TenantsConfig.model_validate({"tenants": list(tenants)} | ({"priority_classes": classes} if classes else {}))
-    return SimpleNamespace(models=FleetConfig.model_validate({"models": MODELS}).models, tenants=cfg.tenants,
-                           priority_classes=cfg.priority_classes, gateway=GatewayConfig(**(gateway or {})))
+    return SimpleNamespace(models=FleetConfig.model_validate({"models": MODELS}).models,
+                           tenants=TENANTS.validate_python(list(tenants)),
+                           priority_classes=CLASSES.validate_python(classes) if classes else default_priority_classes(),
+                           gateway=GatewayConfig(**(gateway or {})))
 
 
 def test_defaults():
-    cfg = TenantsConfig()
+    cfg = FleetConfig.model_validate({"models": MODELS})
     assert cfg.tenants == []
     assert [(c.name, c.order, c.max_wait_s) for c in cfg.priority_classes] == [("interactive", 0, None),
                                                                                ("batch", 10, 600.0)]
@@ -61,9 +47,9 @@ def test_a_full_tenant_parses():
 
 
 def test_classes_are_sorted_most_urgent_first():
-    cfg = TenantsConfig(priority_classes=[{"name": "bulk", "order": 20, "max_wait_s": 3600},
-                                          {"name": "chat", "order": 1}, {"name": "jobs", "order": 5, "max_wait_s": 60}])
-    assert [c.name for c in cfg.priority_classes] == ["chat", "jobs", "bulk"]
+    classes = CLASSES.validate_python([{"name": "bulk", "order": 20, "max_wait_s": 3600},
+                                       {"name": "chat", "order": 1}, {"name": "jobs", "order": 5, "max_wait_s": 60}])
+    assert [c.name for c in classes] == ["chat", "jobs", "bulk"]
 
 
 KEY = {"name": "acme", "api_keys_env": "ACME_KEYS"}
@@ -94,7 +80,7 @@ KEY = {"name": "acme", "api_keys_env": "ACME_KEYS"}
 ])
 def test_bad_values_name_their_key_path(data, loc, needle):
     with pytest.raises(ValidationError) as info:
-        TenantsConfig.model_validate(data)
+        FleetConfig.model_validate({"models": MODELS, **data})
     errors = info.value.errors()
     assert any(tuple(e["loc"]) == loc for e in errors), errors
     assert needle in str(info.value)
@@ -102,12 +88,12 @@ def test_bad_values_name_their_key_path(data, loc, needle):
 
 def test_the_loader_paths_through_fleetconfig():
     with pytest.raises(ValidationError) as info:
-        FleetWithTenants.model_validate({"models": MODELS, "tenants": [{**KEY, "limits": {"max_concurrency": 0}}]})
+        FleetConfig.model_validate({"models": MODELS, "tenants": [{**KEY, "limits": {"max_concurrency": 0}}]})
     assert tuple(info.value.errors()[0]["loc"]) == ("tenants", 0, "limits", "max_concurrency")
 
 
 def test_a_consistent_file_has_no_problems():
-    fleet = FleetWithTenants.model_validate({"models": MODELS, "gateway": {"api_keys_env": "FLAT"}, "tenants": [
+    fleet = FleetConfig.model_validate({"models": MODELS, "gateway": {"api_keys_env": "FLAT"}, "tenants": [
         {**KEY, "models": ["smollm2"], "priority": "batch", "max_priority": "interactive"},
         {"name": "beta", "api_keys_file": "/etc/beta.keys"}]})
     assert check_tenants(fleet) == [] and [t.name for t in fleet.tenants] == ["acme", "beta"]
@@ -147,7 +133,7 @@ def test_problems_reach_the_loader_with_their_key_path():
 
     data = {"models": MODELS, "tenants": [{**KEY, "models": ["smollm3"]}, {**KEY, "priority": "batchy"}]}
     with pytest.raises(ValidationError) as info:
-        FleetWithTenants.model_validate(data)
+        FleetConfig.model_validate(data)
     lines = [f"{_fmt_path(tuple(e['loc']))}: {_describe(e)}" for e in info.value.errors()]
     assert lines == [
         "tenants[0].models[0]: unknown model; did you mean 'smollm2'? served: ['smollm2', 'tiny'] (got 'smollm3')",
@@ -183,7 +169,7 @@ def test_the_example_in_docs_tenants_md_is_valid(tmp_path):
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "tenants.md").read_text()
     example = re.search(r"```yaml\n(.*?)```", doc, re.S).group(1)
-    fleet = FleetWithTenants.model_validate(yaml.safe_load(example))
+    fleet = FleetConfig.model_validate(yaml.safe_load(example))
     assert [t.name for t in fleet.tenants] == ["research", "support-bot"]
     keys = tmp_path / "support.keys"
     keys.write_text("# support\nsk-support-1\n")

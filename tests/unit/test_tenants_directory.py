@@ -5,8 +5,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from pydantic import TypeAdapter
 
-from lmfleet.config.tenants import TenantConfig, TenantsConfig, default_priority_classes
+from lmfleet.config.tenants import PriorityClassList, TenantConfig, default_priority_classes
 from lmfleet.tenants import Tenant, TenantDirectory, TenantKeyError
 
 CLASSES = default_priority_classes()
@@ -14,7 +15,7 @@ SECRETS = ("sk-acme-1", "sk-acme-2", "sk-beta-1", "sk-flat-1")
 
 
 def _tenants(*items) -> list[TenantConfig]:
-    return TenantsConfig(tenants=list(items)).tenants
+    return TypeAdapter(list[TenantConfig]).validate_python(list(items))
 
 
 @pytest.fixture
@@ -94,8 +95,8 @@ def test_a_key_file_of_comments_is_an_error(tmp_path):
 
 
 def test_tenant_defaults_follow_the_classes():
-    classes = TenantsConfig(priority_classes=[{"name": "bulk", "order": 9, "max_wait_s": 60},
-                                              {"name": "chat", "order": 1}]).priority_classes
+    classes = TypeAdapter(PriorityClassList).validate_python([{"name": "bulk", "order": 9, "max_wait_s": 60},
+                                                              {"name": "chat", "order": 1}])
     t = Tenant.from_config(_tenants({"name": "a", "api_keys_env": "K"})[0], classes)
     assert t.priority.name == "chat" and t.max_priority.name == "chat"
     t = Tenant.from_config(_tenants({"name": "a", "api_keys_env": "K", "priority": "bulk"})[0], classes)

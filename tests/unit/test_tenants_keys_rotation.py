@@ -7,8 +7,9 @@ import os
 from types import SimpleNamespace
 
 import pytest
+from pydantic import TypeAdapter
 
-from lmfleet.config.tenants import TenantsConfig, default_priority_classes
+from lmfleet.config.tenants import TenantConfig, default_priority_classes
 from lmfleet.tenants import TenantDirectory
 from lmfleet.tenants import keys as keys_module
 from lmfleet.tenants.directory import digest
@@ -74,9 +75,9 @@ def files(tmp_path):
 
 
 def build(files) -> TenantDirectory:
-    tenants = TenantsConfig(tenants=[{"name": "acme", "api_keys_file": str(files.acme)},
-                                     {"name": "beta", "api_keys_file": str(files.beta)},
-                                     {"name": "envy", "api_keys_env": "ENVY_KEYS"}]).tenants
+    tenants = TypeAdapter(list[TenantConfig]).validate_python([
+        {"name": "acme", "api_keys_file": str(files.acme)}, {"name": "beta", "api_keys_file": str(files.beta)},
+        {"name": "envy", "api_keys_env": "ENVY_KEYS"}])
     gateway = SimpleNamespace(api_keys_env="FLAT", api_keys_file=str(files.flat))
     return TenantDirectory.build(tenants, CLASSES, gateway=gateway,
                                  environ={"ENVY_KEYS": "sk-env-1", "FLAT": "sk-flat-1"})

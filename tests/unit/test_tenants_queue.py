@@ -103,23 +103,23 @@ def test_bad_sizes_are_refused(capacity, max_waiting):
         DispatchQueue(capacity, max_waiting)
 
 
-async def test_waiting_behind_counts_the_less_urgent_classes():
+async def test_waiting_by_order_counts_each_class():
     q = DispatchQueue(capacity=1)
     assert q.try_enter()
     parked = [asyncio.create_task(q.wait("a", BATCH, None)) for _ in range(3)]
     parked.append(asyncio.create_task(q.wait("b", INTERACTIVE, None)))
     await _settle()
-    assert (q.waiting_behind(INTERACTIVE), q.waiting_behind(BATCH)) == (3, 0)
+    assert dict(q.waiting_by_order) == {BATCH: 3, INTERACTIVE: 1}
     q.leave()                       # the interactive one goes first
     await _settle()
-    assert q.waiting_behind(INTERACTIVE) == 3
+    assert dict(q.waiting_by_order) == {BATCH: 3}
     parked[0].cancel()              # a cancelled waiter is no longer counted
     await _settle()
-    assert q.waiting_behind(INTERACTIVE) == 2
+    assert dict(q.waiting_by_order) == {BATCH: 2}
     for _ in range(2):
         q.leave()
         await _settle()
-    assert q.waiting_behind(INTERACTIVE) == 0 and not q._by_order
+    assert dict(q.waiting_by_order) == {}
     await asyncio.gather(*parked, return_exceptions=True)
 
 

@@ -25,8 +25,6 @@ from lmfleet.check.planner import GiB, MemoryPlan
 from lmfleet.check.result import CheckResult, passed, skipped, warned
 from lmfleet.config.models import FleetConfig, ModelConfig
 
-NETWORK_CONNECTORS = frozenset({"NixlConnector", "MooncakeConnector", "MoRIIOConnector", "LMCacheConnectorV1",
-                                "LMCacheMPConnector", "MultiConnector"})
 FILE_CONNECTORS = frozenset({"ExampleConnector"})
 LOCAL_CONNECTORS = frozenset({"OffloadingConnector", "SimpleCPUOffloadConnector"})
 

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from lmfleet.config.models import FleetConfig
+from lmfleet.config.fleet import FleetConfig
 from lmfleet.config.redact import redact, redact_text, secret_values
 from lmfleet.errors import LmfleetError
 

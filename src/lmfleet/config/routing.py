@@ -4,7 +4,7 @@ A router choice can be valid on its own and still useless or refused by Ray give
 ``kv_aware`` needs direct streaming (``gateway.serve_proxy: haproxy``), and both cache-aware routers
 need the engines' prefix cache. :func:`routing_problems` lists such combinations, each with the key
 path the loader reports (file line and all) and a message naming both keys. It imports nothing from
-``lmfleet.config.models`` so that ``FleetConfig`` can call it without an import cycle.
+``lmfleet.config.fleet`` so that ``FleetConfig`` can call it without an import cycle.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Two top-level keys of ``fleet.yaml``::
         priority: batch          # the class of a request without an x-lmfleet-priority header
         max_priority: interactive  # the most urgent class the header may ask for (null: ``priority``)
 
-This module imports nothing from ``lmfleet.config.models`` so that ``FleetConfig`` can hang these in
+This module imports nothing from ``lmfleet.config.fleet`` so that ``FleetConfig`` can hang these in
 without an import cycle; :func:`check_tenants` does the checks that need the whole file (model names,
 class names, duplicates) on any object shaped like ``FleetConfig`` (:class:`FleetLike`).
 """
@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator,
-                      model_validator)
+from pydantic import AfterValidator, Field, StrictBool, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from lmfleet.config.base import Strict
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -39,7 +40,6 @@ __all__ = [
     "TenantProblem",
     "TenantSettings",
     "TenantUpdate",
-    "TenantsConfig",
     "check_settings",
     "check_tenants",
     "default_priority_classes",
@@ -54,11 +54,7 @@ DEFAULT_TENANT = "default"
 """The tenant that the flat ``gateway.api_keys_env``/``api_keys_file`` keys (or an open gateway) become."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
-
-
-class PriorityClass(_Strict):
+class PriorityClass(Strict):
     """One priority class: where it stands in the local queue and how long it may wait there."""
 
     name: str = Field(..., pattern=_LABEL_RE, description="Class name, as sent in the x-lmfleet-priority header.")
@@ -93,7 +89,7 @@ PriorityClassList = Annotated[list[PriorityClass], AfterValidator(_check_classes
 """Priority classes, validated (unique names and orders) and sorted most urgent first."""
 
 
-class TenantLimits(_Strict):
+class TenantLimits(Strict):
     """What one tenant may use; every limit is optional (null: unlimited)."""
 
     requests_per_minute: int | None = Field(None, ge=1, description="Requests admitted per rolling minute.")
@@ -105,7 +101,7 @@ class TenantLimits(_Strict):
     daily_usd: float | None = Field(None, ge=0, description="External-provider spend cap per rolling day (USD).")
 
 
-class TenantConfig(_Strict):
+class TenantConfig(Strict):
     """One tenant: its keys, its limits, the models it may use and its priority classes."""
 
     name: str = Field(..., pattern=_LABEL_RE, description="Tenant name (ledger, metrics label, admin API).")
@@ -135,15 +131,7 @@ class TenantConfig(_Strict):
         return self
 
 
-class TenantsConfig(_Strict):
-    """The two tenancy keys together (for tools and tests that do not load a whole fleet file)."""
-
-    tenants: list[TenantConfig] = Field(default_factory=list, description="Tenants. Empty: one default tenant.")
-    priority_classes: PriorityClassList = Field(
-        default_factory=default_priority_classes, description="Priority classes, most urgent first by `order`.")
-
-
-class TenantSettings(_Strict):
+class TenantSettings(Strict):
     """What may change of a tenant at run time (``PUT /admin/tenants/NAME``): everything but its name and keys.
     Stored as JSON in the spend store's database (``tenant_overrides``); resolved like :class:`TenantConfig`."""
 
@@ -167,7 +155,7 @@ class TenantSettings(_Strict):
         return TenantConfig(name=name, api_keys_env="LMFLEET_NO_KEYS", **self.model_dump())
 
 
-class TenantUpdate(_Strict):
+class TenantUpdate(Strict):
     """The body of ``PUT /admin/tenants/NAME``: the fields given replace the current ones; ``limits`` merges field by
     field (``{"limits": {"requests_per_minute": null}}`` lifts that limit, the others stay)."""
 

@@ -45,10 +45,6 @@ class EstimateError:
     median_ratio: float | None
     """Median of ``actual / predicted`` over predictions above 0; None when there is none."""
 
-    def p90_share_of(self, threshold_ms: float) -> float:
-        """The P90 absolute error as a share of the overflow threshold (the target: <= 0.25)."""
-        return self.p90_abs_error_ms / threshold_ms
-
     def as_dict(self, threshold_ms: float | None = None) -> dict[str, Any]:
         """The figures, rounded for reports; with ``threshold_ms`` (the model's overflow threshold) also the
         absolute errors as a percentage of it (``None`` without one)."""

@@ -31,7 +31,6 @@ from lmfleet.serve.processes import end_processes
 from lmfleet.net import free_port
 
 HAPROXY = "haproxy"
-SERVE = "serve"
 
 ENABLE_HAPROXY = "RAY_SERVE_ENABLE_HA_PROXY"
 ENABLE_DIRECT_STREAMING = "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"

@@ -127,15 +127,6 @@ class SqlLedger:
                                       ttft_ms, str(status), usd_to_nusd(cost_usd), tenant, usage_source,
                                       upstream_model, predicted_wait_ms, realised_wait_ms))
 
-    def spend_since(self, ts: float, external_only: bool = True) -> float:
-        """USD recorded at or after ``ts`` (external providers only by default)."""
-        sql, args = "SELECT COALESCE(SUM(cost_nusd), 0) FROM requests WHERE ts >= ?", [ts]
-        if external_only:
-            sql += " AND served_by LIKE ?"
-            args.append(f"{PROVIDER_PREFIX}%")
-        _, [(nusd,)] = self._fetch(sql, args)
-        return nusd_to_usd(int(nusd))
-
     def spend_events(self, since: float, bucket_s: float = 60.0) -> list[tuple[float, float]]:
         """External spend after ``since`` as ``(latest ts in bucket, usd)`` pairs, for ``check_budget``."""
         _, rows = self._fetch(

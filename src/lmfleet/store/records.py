@@ -72,10 +72,6 @@ class Spend:
     settled_nusd: int
     held_nusd: int
 
-    @property
-    def total_nusd(self) -> int:
-        return self.settled_nusd + self.held_nusd
-
 
 @dataclass(frozen=True)
 class UsageRecord:

@@ -29,7 +29,7 @@ from typing import Any
 from lmfleet.errors import LmfleetError
 from lmfleet.config.tenants import DEFAULT_TENANT, PriorityClass, TenantConfig, TenantLimits
 
-__all__ = ["KeySource", "Tenant", "TenantDirectory", "TenantKeyError", "digest", "load_keys", "read_key_file"]
+__all__ = ["KeySource", "Tenant", "TenantDirectory", "TenantKeyError", "digest", "read_key_file"]
 
 
 class TenantKeyError(LmfleetError, ValueError):
@@ -101,18 +101,6 @@ def read_key_file(where: str, file: str) -> set[str]:
     if not from_file:
         raise TenantKeyError(f"{where}.api_keys_file {str(path)!r} holds no key (only blank or # lines).")
     return from_file
-
-
-def load_keys(where: str, env_name: str | None, file: str | None, environ: Mapping[str, str]) -> set[str]:
-    """Keys from an env var (comma-separated) and/or a file (one a line, # comments). ``where`` is the config
-    path for messages (``tenants[2]``, ``gateway``). A configured source that yields no key raises
-    :class:`TenantKeyError`: a tenant must never lose its keys silently."""
-    keys: set[str] = set()
-    if env_name:
-        keys |= _env_keys(where, env_name, environ)
-    if file:
-        keys |= read_key_file(where, file)
-    return keys
 
 
 @dataclass(frozen=True)

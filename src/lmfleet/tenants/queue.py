@@ -125,11 +125,6 @@ class DispatchQueue:
         estimate."""
         return self._by_order_view
 
-    def waiting_behind(self, order: int) -> int:
-        """Requests waiting in a class that a request of class ``order`` is dispatched before (a larger order):
-        they do not delay it, so its wait estimate leaves them out."""
-        return sum(n for o, n in self._by_order.items() if o > order)
-
     def leave(self) -> None:
         """Give a slot back; it goes to the waiting request :func:`next_to_dispatch` chooses."""
         self.running = max(0, self.running - 1)

@@ -26,12 +26,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmfleet.errors import LmfleetError
 from lmfleet.net import free_port
 
 __all__ = ["PgServer", "PgUnavailable", "find_pg_bin"]
 
 
-class PgUnavailable(RuntimeError):
+class PgUnavailable(LmfleetError, RuntimeError):
     """No PostgreSQL server binaries here (the reason says what to install)."""
 
 
