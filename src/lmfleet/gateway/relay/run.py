@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from starlette.responses import Response
 
 from lmfleet.gateway.front.tenancy import LocalSlot, release
-from lmfleet.gateway.front.errors import (
+from lmfleet.gateway.core.errors import (
     GatewayError,
     UpstreamError,
     UpstreamMisconfigured,
@@ -39,7 +39,8 @@ from lmfleet.gateway.front.errors import (
     UpstreamRejected,
     UpstreamServerError,
 )
-from lmfleet.gateway.front.validation import ParsedRequest
+from lmfleet.gateway.core.headers import HEDGED, QUEUE_ESTIMATE, ROUTE_REASON, SERVED_BY, UPSTREAM_MODEL
+from lmfleet.gateway.core.request import ParsedRequest
 from lmfleet.gateway.observe.recorder import Outcome, Recorder
 from lmfleet.gateway.observe.tracing import RequestTracer
 from lmfleet.gateway.relay import sse
@@ -65,13 +66,6 @@ from lmfleet.overflow.policies import (
 from lmfleet.tenants.queue import QueueFull
 
 log = logging.getLogger("lmfleet.gateway")
-
-SERVED_BY = "x-lmfleet-served-by"
-ROUTE_REASON = "x-lmfleet-route-reason"
-QUEUE_ESTIMATE = "x-lmfleet-queue-estimate-ms"
-HEDGED = "x-lmfleet-hedged"
-UPSTREAM_MODEL = "x-lmfleet-upstream-model"
-"""The model name the backend answered with (the client's own name is in the body)."""
 
 T = TypeVar("T")
 

@@ -23,7 +23,7 @@ import aiohttp
 import yarl
 
 from lmfleet.errors import LmfleetError
-from lmfleet.gateway.front.errors import (
+from lmfleet.gateway.core.errors import (
     UpstreamError,
     UpstreamMisconfigured,
     UpstreamRateLimited,

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from lmfleet.config.models import ModelConfig, ProviderConfig
 from lmfleet.gateway.routing.budget import BudgetGuard
-from lmfleet.gateway.front.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
+from lmfleet.gateway.core.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
 from lmfleet.gateway.routing.health import HealthBoard
 from lmfleet.gateway.relay.upstream import Endpoint, HttpPool
 from lmfleet.store import Cap, Reservation

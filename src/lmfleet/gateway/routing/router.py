@@ -26,7 +26,7 @@ from lmfleet.config.tenants import PriorityClass
 from lmfleet.gateway.routing.backends import Backend
 from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.routing.served import ServedModel
-from lmfleet.gateway.front.errors import GatewayError
+from lmfleet.gateway.core.errors import GatewayError
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.overflow import (
     BudgetStatus,
