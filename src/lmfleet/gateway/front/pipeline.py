@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
@@ -47,8 +47,10 @@ from lmfleet.gateway.relay.disconnect import DisconnectWatch
 from lmfleet.gateway.relay.response import RelayResponse, send_whole
 from lmfleet.gateway.relay.run import RequestRun
 from lmfleet.gateway.routing.served import PromptSize, ServedModel
-from lmfleet.gateway.service import Gateway
 from lmfleet.tenants import Tenant
+
+if TYPE_CHECKING:  # the assembled gateway, above the front door: read here, never imported at run time
+    from lmfleet.gateway.service import Gateway
 
 log = logging.getLogger("lmfleet.gateway")
 

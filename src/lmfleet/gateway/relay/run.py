@@ -12,7 +12,8 @@ attempt starts beside it and the first first token wins (hedge). The run talks t
 only; nothing calls back into the router.
 The answer goes out through :mod:`~lmfleet.gateway.relay.response`, the outcome to
 :mod:`~lmfleet.gateway.observe.recorder`; the tenant's local queue slot is
-:class:`~lmfleet.gateway.front.tenancy.LocalSlot`.
+:class:`~lmfleet.gateway.relay.localslot.LocalSlot`; the backends are driven through
+:class:`~lmfleet.gateway.relay.backend.Backend`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.responses import Response
 
-from lmfleet.gateway.front.tenancy import LocalSlot, release
 from lmfleet.gateway.core.errors import (
     GatewayError,
     UpstreamError,
@@ -44,14 +44,13 @@ from lmfleet.gateway.core.request import ParsedRequest
 from lmfleet.gateway.observe.recorder import Outcome, Recorder
 from lmfleet.gateway.observe.tracing import RequestTracer
 from lmfleet.gateway.relay import sse
+from lmfleet.gateway.relay.backend import Ask, Backend
+from lmfleet.gateway.relay.localslot import LocalSlot, release
 from lmfleet.gateway.relay.response import RelayResponse
 from lmfleet.gateway.relay.rewrite import rewrite, take_usage
 from lmfleet.gateway.relay.upstream import STREAM_ERRORS, Endpoint, OpenStream, complete, open_stream
 from lmfleet.gateway.relay.usage import ESTIMATED, PROVIDER, StreamText, answer_text, answered_model, count_usage, \
     estimate
-from lmfleet.gateway.routing.backends import Ask, Backend, ProviderBackend
-from lmfleet.gateway.routing.router import Plan
-from lmfleet.gateway.routing.served import PromptSize, ServedModel
 from lmfleet.overflow import Reason
 from lmfleet.overflow.policies import (
     PROVIDER_RECHECK_S,
@@ -64,6 +63,11 @@ from lmfleet.overflow.policies import (
     next_step,
 )
 from lmfleet.tenants.queue import QueueFull
+
+if TYPE_CHECKING:  # routing's types, read by the relay (routing calls the relay, never the other way)
+    from lmfleet.gateway.routing.backends import ProviderBackend
+    from lmfleet.gateway.routing.router import Plan
+    from lmfleet.gateway.routing.served import PromptSize, ServedModel
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -262,7 +266,8 @@ class RequestRun:
     # ---- overflow.policy: the local attempt against its timer -------------------------------------------------
     def _hedgers(self) -> list[ProviderBackend]:
         """The plan's providers (after the local backend): where a hedge or a failover may go."""
-        return [b for b in self.plan.backends if isinstance(b, ProviderBackend)]
+        local = self.m.local
+        return [b for b in self.plan.backends if b is not local]  # type: ignore[misc]
 
     def _step(self, state: AttemptState, provider_open: bool) -> Step:
         return next_step(self.m.timers, now=time.monotonic(), estimate_ms=self.plan.estimate_ms,
@@ -586,8 +591,8 @@ class RequestRun:
         ticket = self.ticket
         if ticket is not None:
             ticket.add_tokens(o.input_tokens + o.output_tokens)
-        self.recorder.record(self.m.name, b, o, time.monotonic() - self.t0, slot,
-                             ticket.tenant if ticket is not None else None)
+        self.recorder.record(self.m.name, o, time.monotonic() - self.t0, b.charge(o.input_tokens, o.output_tokens),
+                             slot, ticket.tenant if ticket is not None else None)
 
     def release(self) -> None:
         """The request has ended (answered, failed or abandoned): free its tenant's slot in flight and its place
