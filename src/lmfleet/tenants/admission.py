@@ -163,9 +163,10 @@ def admit(tenant: Tenant, cls: PriorityClass, *, usage: TenantUsage, in_flight: 
     """Admit one request of ``tenant`` in class ``cls`` (see the module docstring for the rules).
 
     ``usage``: the tenant's windows before this request (the caller records it when admitted);
-    ``in_flight``: the tenant's requests running or queued now; ``estimate_ms``: the predicted local wait;
-    ``threshold_ms``: the model's overflow bar (hysteresis applied); ``prompt_tokens``: what the tokens
-    window must have room for.
+    ``in_flight``: the tenant's requests running or queued now; ``estimate_ms`` and ``threshold_ms``: the
+    route's weighed estimate and its bar (:mod:`lmfleet.gateway.routing.decision` states the one threshold
+    semantics: the predicted wait plus the miss margin, against the threshold with hysteresis applied);
+    ``prompt_tokens``: what the tokens window must have room for.
     """
     headers = rate_limit_headers(usage, now)
     limit = tenant.limits.max_concurrency

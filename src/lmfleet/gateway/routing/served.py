@@ -57,6 +57,10 @@ class ServedModel:
     def name(self) -> str:
         return self.app.name
 
+    def provider(self, name: str) -> ProviderBackend:
+        """Its provider named ``name`` (one of :attr:`providers`)."""
+        return next(p for p in self.providers if p.name == name)
+
     async def prompt_size(self, req: ParsedRequest) -> PromptSize:
         """The prompt's size in tokens; 400 when prompt + max_tokens cannot fit in the context.
 
