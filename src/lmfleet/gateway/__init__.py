@@ -32,7 +32,10 @@ Where things are::
       peers.py             gateways that know about each other (shared estimates, queue shares)
 
     relay/                 running a request against its backends
-      run.py               RequestRun: the attempt loop (retries, fallbacks, overflow.policy timers) and the relay
+      run.py               RequestRun: the attempt loop (retries, fallbacks), the answers, the record
+      machine.py           the attempt loop's phases, events and transition function (pure)
+      race.py              Race: a local attempt against overflow.policy's timer (ttft_timeout, hedge)
+      stream.py            relay_stream(): the per-chunk relay of a streamed answer
       backend.py           Backend: the protocol the relay drives one attempt through, and its Ask
       localslot.py         LocalSlot: a request's place in the local priority queue; release() at the end
       response.py          RelayResponse: a streamed answer as plain ASGI sends

@@ -8,7 +8,7 @@
       5. size          OpenAIRoutes.size(req, model)              content parts, context, prompt tokens      400
       6. route         Router.route(model, tenant, cls, tokens)   ordered backends; tenant limits, budget    429
       7. run           OpenAIRoutes.run(run, receive, send)       attempts, relay (relay.run.RequestRun)     5xx
-      8. record        RequestRun._record -> Recorder.record      metrics, ledger row; then tenancy.release()
+      8. record        OpenAIRoutes.run: run.finish()             metrics, ledger row (Recorder.record); release
       any error        error_response(e)                          the one place errors become HTTP (front.errors)
 
 Every other route (/v1/models, operator and admin routes) is FastAPI's, behind :class:`AuthMiddleware`, which runs
@@ -177,8 +177,9 @@ class OpenAIRoutes:
         return await model.prompt_size(req)
 
     async def run(self, run: RequestRun, receive: Receive, send: Send) -> None:
-        """Stages 7-8: try the backends, send the answer, and whatever happens release the tenant's slots. One task
-        watches for the client to leave: when it does, this task is cancelled (and with it the upstream call)."""
+        """Stages 7-8: try the backends, send the answer, record it (:meth:`RequestRun.finish`), and whatever
+        happens release the tenant's slots. One task watches for the client to leave: when it does, this task is
+        cancelled (and with it the upstream call)."""
         task = asyncio.current_task()
         assert task is not None
         watch = DisconnectWatch(receive, task)
@@ -207,6 +208,7 @@ class OpenAIRoutes:
                 await send_whole(send, error_response(e, path=run.path))
         finally:
             watch.stop()
+            run.finish()  # stage 8: the answer's metrics and ledger row
             run.release()  # the tenant's slots (in flight, in the local queue), however the request ended
             if run.span is not None:
                 _end_span(run, status)
