@@ -37,3 +37,19 @@ def test_error_response(error, kw, status, etype, code, headers):
 
 def test_gateway_errors_are_lmfleet_errors():
     assert issubclass(GatewayError, LmfleetError) and issubclass(UpstreamError, LmfleetError)
+
+
+def test_one_error_body_builder():
+    """The gateway's errors and the tenants' refusals share lmfleet.errors.openai_error_body (one shape)."""
+    from lmfleet.config.tenants import TenantLimits, default_priority_classes
+    from lmfleet.errors import openai_error_body
+    from lmfleet.gateway.core import errors as core_errors
+    from lmfleet.gateway.front import errors as front_errors
+    from lmfleet.tenants import Tenant, model_refusal
+
+    assert front_errors.error_body is core_errors.error_body is openai_error_body
+    assert openai_error_body("m", "t", "p", "c") == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}
+    assert GatewayError(404, "gone", param="model").body() == openai_error_body("gone", "not_found_error", "model")
+    interactive = default_priority_classes()[0]
+    refusal = model_refusal(Tenant("t", TenantLimits(), interactive, interactive, frozenset({"a"})), "b")
+    assert refusal is not None and set(refusal["error"]) == {"message", "type", "param", "code"}

@@ -130,11 +130,6 @@ def test_no_ledger_no_status():
     assert Recorder(GatewayMetrics(), None, {"m"}).status() is None
 
 
-class FreeBackend:
-    def charge(self, input_tokens: int, output_tokens: int) -> float:
-        return 0.0
-
-
 @pytest.mark.parametrize("served_by, status, ttft_s, predicted_ms, observed", [
     ("local/m", 200, 1.5, 1000.0, 0.5),            # waited longer than predicted: positive
     ("local/m", 200, 0.2, 700.0, -0.5),            # shorter: negative
@@ -147,7 +142,7 @@ def test_estimate_error_histogram(served_by, status, ttft_s, predicted_ms, obser
     from lmfleet.gateway.observe.recorder import Outcome
 
     r = Recorder(GatewayMetrics(), None, {"m"})
-    r.record("m", FreeBackend(), Outcome(served_by, "local_ok", 10, 5, ttft_s, status, predicted_ms), 2.0)  # type: ignore[arg-type]
+    r.record("m", Outcome(served_by, "local_ok", 10, 5, ttft_s, status, predicted_ms), 2.0, 0.0)
     reg = r.metrics.registry
     count = reg.get_sample_value("lmfleet_queue_estimate_error_seconds_count", {"model": "m"})
     if observed is None:

@@ -9,7 +9,8 @@ import pytest
 
 from lmfleet.config.tenants import PriorityClass, TenantLimits
 from lmfleet.gateway.front.errors import GatewayError
-from lmfleet.gateway.front.tenancy import LocalSlot, Tenancy, release
+from lmfleet.gateway.front.tenancy import Tenancy
+from lmfleet.gateway.relay.localslot import LocalSlot, release
 from lmfleet.tenants import Tenant
 from lmfleet.tenants.queue import DispatchQueue
 

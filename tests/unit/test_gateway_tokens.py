@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmfleet.gateway.routing.tokens import (count_chat, count_completion, template_overhead, token_bounds,
+from lmfleet.gateway.core.tokens import (count_chat, count_completion, template_overhead, token_bounds,
                                             utf8_len)
 
 TEXTS = [

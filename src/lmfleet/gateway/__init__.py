@@ -4,6 +4,10 @@ The folders follow a request: the front door reads and admits it, routing decide
 runs it against a backend and streams the answer back, observe records it; admin is the operator's side.
 The request path, stage by stage, is :mod:`lmfleet.gateway.front.pipeline`.
 
+The folders are layers and import only downward at run time (tests/unit/test_architecture.py)::
+
+    build, app, admin, service  ->  front  ->  routing  ->  relay  ->  observe  ->  core
+
 Where things are::
 
     build.py               build_gateway(): assembles everything below (lmfleet serve and the tests use it)
@@ -12,10 +16,10 @@ Where things are::
 
     front/                 the front door: a request until it is routed
       pipeline.py          the OpenAI routes as named stages: authenticate, read, validate, admit, size, route, run
-      tenancy.py           the tenant stage: model and class checks, the local queue slot, the release
+      tenancy.py           the tenant stage: model and class checks
       access.py            keys, trusted Host names, exposure checks, reading the body (415/413/408)
       validation.py        checks on OpenAI request bodies (pure)
-      errors.py            the exception tree; error_response(): the one place errors become HTTP
+      errors.py            error_response(): the one place errors become HTTP (the tree is core's)
       server.py            uvicorn settings: keep-alive, connection cap, request-head deadline
 
     routing/               where a request may go
@@ -24,12 +28,16 @@ Where things are::
       backends.py          LocalBackend (a Ray Serve deployment), ProviderBackend (an external provider)
       budget.py            exact spend caps: reservations before a paid request is sent
       health.py            readiness of each model's local deployment (Serve's status, polled)
-      tokens.py            prompt token counts with the model's own tokenizer
       pollers.py           vLLM's queue counts from every Ray node's metrics page
       peers.py             gateways that know about each other (shared estimates, queue shares)
 
     relay/                 running a request against its backends
-      run.py               RequestRun: the attempt loop (retries, fallbacks, overflow.policy timers) and the relay
+      run.py               RequestRun: the attempt loop (retries, fallbacks), the answers, the record
+      machine.py           the attempt loop's phases, events and transition function (pure)
+      race.py              Race: a local attempt against overflow.policy's timer (ttft_timeout, hedge)
+      stream.py            relay_stream(): the per-chunk relay of a streamed answer
+      backend.py           Backend: the protocol the relay drives one attempt through, and its Ask
+      localslot.py         LocalSlot: a request's place in the local priority queue; release() at the end
       response.py          RelayResponse: a streamed answer as plain ASGI sends
       disconnect.py        DisconnectWatch: a client that leaves cancels its request
       rewrite.py           the relay's slow path over SSE bytes: usage, model name, error events (pure)
@@ -43,6 +51,12 @@ Where things are::
       metrics.py           the Prometheus metrics
       tracing.py           OpenTelemetry spans per request
       loopwatch.py         the event-loop watchdog
+
+    core/                  the types every layer shares (imports nothing of the gateway)
+      errors.py            GatewayError and the Upstream* tree; error_body (OpenAI's shape)
+      request.py           ParsedRequest; check_context (prompt + max_tokens within the context)
+      headers.py           the provenance header names (x-lmfleet-served-by, ...)
+      tokens.py            prompt token counts with the model's own tokenizer
 
     admin/                 the operator's side
       routes.py            every /admin/* route

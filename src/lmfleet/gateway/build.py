@@ -33,7 +33,7 @@ from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.observe.recorder import Recorder
 from lmfleet.gateway.service import Gateway
 from lmfleet.gateway.observe.loopwatch import LoopWatch
-from lmfleet.gateway.routing.tokens import load_tokenizer_or_none
+from lmfleet.gateway.core.tokens import load_tokenizer_or_none
 from lmfleet.gateway.observe.tracing import request_tracer
 from lmfleet.gateway.relay.upstream import HttpPool
 from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, providers_for

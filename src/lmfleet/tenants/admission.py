@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lmfleet.errors import LmfleetError
+from lmfleet.errors import LmfleetError, openai_error_body
 from lmfleet.config.tenants import PriorityClass, TenantLimits
 from lmfleet.overflow.policy import Reason
 from lmfleet.tenants.directory import Tenant
@@ -62,7 +62,7 @@ class PriorityHeaderError(LmfleetError, ValueError):
         super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
-        return _error_body(self.message, "invalid_request_error", PRIORITY_HEADER, "invalid_priority")
+        return openai_error_body(self.message, "invalid_request_error", PRIORITY_HEADER, "invalid_priority")
 
 
 def requested_class(header_value: str | None, tenant: Tenant, classes: Sequence[PriorityClass]) -> PriorityClass:
@@ -81,7 +81,7 @@ def model_refusal(tenant: Tenant, model: str) -> dict[str, Any] | None:
     """A 403 body when ``tenant`` may not use ``model``; None when it may."""
     if tenant.may_use(model):
         return None
-    return _error_body(f"The model {model!r} is not available to tenant {tenant.name!r}. Its models: "
+    return openai_error_body(f"The model {model!r} is not available to tenant {tenant.name!r}. Its models: "
                        f"{sorted(tenant.models)}.", "permission_error", "model", "model_not_allowed")
 
 
@@ -136,7 +136,7 @@ class Admission:
             return None
         kind = {Reason.REQUESTS_PER_MINUTE: "requests", Reason.TOKENS_PER_MINUTE: "tokens"}.get(self.reason)
         code = {Reason.CONCURRENCY_LIMIT: "concurrency_limit_exceeded", Reason.DEADLINE: "queue_deadline_exceeded"}
-        return _error_body(self.message or "Rate limit reached.", kind or "rate_limit_error", None,
+        return openai_error_body(self.message or "Rate limit reached.", kind or "rate_limit_error", None,
                            code.get(self.reason, "rate_limit_exceeded"))
 
 
@@ -163,9 +163,10 @@ def admit(tenant: Tenant, cls: PriorityClass, *, usage: TenantUsage, in_flight: 
     """Admit one request of ``tenant`` in class ``cls`` (see the module docstring for the rules).
 
     ``usage``: the tenant's windows before this request (the caller records it when admitted);
-    ``in_flight``: the tenant's requests running or queued now; ``estimate_ms``: the predicted local wait;
-    ``threshold_ms``: the model's overflow bar (hysteresis applied); ``prompt_tokens``: what the tokens
-    window must have room for.
+    ``in_flight``: the tenant's requests running or queued now; ``estimate_ms`` and ``threshold_ms``: the
+    route's weighed estimate and its bar (:mod:`lmfleet.gateway.routing.decision` states the one threshold
+    semantics: the predicted wait plus the miss margin, against the threshold with hysteresis applied);
+    ``prompt_tokens``: what the tokens window must have room for.
     """
     headers = rate_limit_headers(usage, now)
     limit = tenant.limits.max_concurrency
@@ -196,8 +197,3 @@ def admit(tenant: Tenant, cls: PriorityClass, *, usage: TenantUsage, in_flight: 
     return _reject(Reason.DEADLINE, cls, headers, (estimate_ms - cls.max_wait_s * 1000) / 1000,
                    f"The local queue is too long for class {cls.name!r}: predicted wait {estimate_ms / 1000:.0f} s, "
                    f"its deadline is {cls.max_wait_s:g} s.")
-
-
-def _error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
-    # the shape of lmfleet.gateway.front.errors.error_body, kept here so this package imports nothing of the gateway
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -8,7 +8,7 @@
       5. size          OpenAIRoutes.size(req, model)              content parts, context, prompt tokens      400
       6. route         Router.route(model, tenant, cls, tokens)   ordered backends; tenant limits, budget    429
       7. run           OpenAIRoutes.run(run, receive, send)       attempts, relay (relay.run.RequestRun)     5xx
-      8. record        RequestRun._record -> Recorder.record      metrics, ledger row; then tenancy.release()
+      8. record        OpenAIRoutes.run: run.finish()             metrics, ledger row (Recorder.record); release
       any error        error_response(e)                          the one place errors become HTTP (front.errors)
 
 Every other route (/v1/models, operator and admin routes) is FastAPI's, behind :class:`AuthMiddleware`, which runs
@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
@@ -47,8 +47,10 @@ from lmfleet.gateway.relay.disconnect import DisconnectWatch
 from lmfleet.gateway.relay.response import RelayResponse, send_whole
 from lmfleet.gateway.relay.run import RequestRun
 from lmfleet.gateway.routing.served import PromptSize, ServedModel
-from lmfleet.gateway.service import Gateway
 from lmfleet.tenants import Tenant
+
+if TYPE_CHECKING:  # the assembled gateway, above the front door: read here, never imported at run time
+    from lmfleet.gateway.service import Gateway
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -175,8 +177,9 @@ class OpenAIRoutes:
         return await model.prompt_size(req)
 
     async def run(self, run: RequestRun, receive: Receive, send: Send) -> None:
-        """Stages 7-8: try the backends, send the answer, and whatever happens release the tenant's slots. One task
-        watches for the client to leave: when it does, this task is cancelled (and with it the upstream call)."""
+        """Stages 7-8: try the backends, send the answer, record it (:meth:`RequestRun.finish`), and whatever
+        happens release the tenant's slots. One task watches for the client to leave: when it does, this task is
+        cancelled (and with it the upstream call)."""
         task = asyncio.current_task()
         assert task is not None
         watch = DisconnectWatch(receive, task)
@@ -205,6 +208,7 @@ class OpenAIRoutes:
                 await send_whole(send, error_response(e, path=run.path))
         finally:
             watch.stop()
+            run.finish()  # stage 8: the answer's metrics and ledger row
             run.release()  # the tenant's slots (in flight, in the local queue), however the request ended
             if run.span is not None:
                 _end_span(run, status)

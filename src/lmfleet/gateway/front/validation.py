@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from lmfleet.gateway.front.errors import GatewayError, bad_request
+from lmfleet.gateway.core.errors import GatewayError, bad_request
+from lmfleet.gateway.core.request import Kind, ParsedRequest, check_context
 
-Kind = Literal["chat", "completion"]
+__all__ = ["Kind", "ParsedRequest", "check_content_parts", "check_context", "check_prompt_count", "check_size",
+           "parse_json", "validate_request"]
+
 ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
 
 # name -> (type check, lower bound, upper bound, inclusive lower)
@@ -31,17 +33,6 @@ _NUMBERS: dict[str, tuple[type | tuple[type, ...], float, float, bool]] = {
     "top_logprobs": (int, 0, 20, True),
     "seed": (int, -(2**63), 2**63 - 1, True),
 }
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    kind: Kind
-    model: str
-    body: dict[str, Any]
-    stream: bool
-    max_tokens: int | None
-    wants_usage: bool
-    """The client asked for usage in the stream (stream_options.include_usage)."""
 
 
 MAX_DEPTH = 64
@@ -272,22 +263,3 @@ def validate_request(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
         raise bad_request("stop must be a string or an array of strings", param="stop")
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     return ParsedRequest(kind, model, body, bool(stream), max_tokens, bool((opts or {}).get("include_usage")))
-
-
-def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
-    """Reject prompts that cannot fit: prompt + max_tokens must stay within max_model_len."""
-    if max_tokens is None:
-        if prompt_tokens >= max_model_len:
-            raise GatewayError(
-                400,
-                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                f"{prompt_tokens} tokens, which leaves no room for output. Shorten the prompt.",
-                param="messages", code="context_length_exceeded")
-        return
-    if prompt_tokens + max_tokens > max_model_len:
-        raise GatewayError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens, but you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt and {max_tokens} for the "
-            f"completion). Reduce the prompt or max_tokens.",
-            param="max_tokens", code="context_length_exceeded")

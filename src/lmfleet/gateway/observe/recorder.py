@@ -1,7 +1,9 @@
 """The record stage: metrics and the cost ledger of every finished request.
 
-    recorder.record(model, backend, outcome, latency_s, slot, tenant)   # metrics now, the ledger row queued
-    recorder.count_error(model, status, tenant)                          # an error answered before any backend
+    recorder.record(model, outcome, latency_s, cost_usd, slot, tenant)   # metrics now, the ledger row queued
+    recorder.count_error(model, status, tenant)                           # an error answered before any backend
+
+The caller prices the request (its backend's ``charge``): the recorder knows no backend.
 
 Ledger rows are written off the event loop by one writer task, in order, retried while the database is down.
 """
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmfleet.gateway.observe.metrics import GatewayMetrics
-from lmfleet.gateway.routing.backends import Backend
 from lmfleet.overflow.money import usd_to_nusd
 from lmfleet.provenance import is_external
 from lmfleet.store import Ledger, SpendStore, StoreUnavailable, UsageRecord
@@ -201,9 +202,10 @@ class Recorder:
                 self._metric_children[key] = c
         return c
 
-    def record(self, model: str, backend: Backend, o: Outcome, latency_s: float, slot: Any = None,
+    def record(self, model: str, o: Outcome, latency_s: float, cost_usd: float, slot: Any = None,
                tenant: str | None = None) -> None:
-        """Metrics and the ledger row of one finished request; ``tenant``: who sent it (None: no tenant)."""
+        """Metrics and the ledger row of one finished request; ``cost_usd``: what its backend charges for its
+        tokens (the backend's price, applied by the caller); ``tenant``: who sent it (None: no tenant)."""
         if tenant is not None:
             t_requests, t_in, t_out = self._tenant_children(tenant, o.status)
             t_requests.inc()
@@ -221,7 +223,7 @@ class Recorder:
         tokens_out.inc(o.output_tokens)
         if errors is not None:
             errors.inc()
-        cost = backend.charge(o.input_tokens, o.output_tokens)
+        cost = cost_usd
         cost_total.inc(cost)
         if self.ledger is None:
             return

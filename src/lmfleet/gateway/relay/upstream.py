@@ -25,7 +25,7 @@ import yarl
 
 from lmfleet.dialects import GENERIC, Dialect, RateLimitHeaders
 from lmfleet.errors import LmfleetError
-from lmfleet.gateway.front.errors import (
+from lmfleet.gateway.core.errors import (
     UpstreamError,
     UpstreamMisconfigured,
     UpstreamRateLimited,

@@ -16,7 +16,7 @@ from typing import Any
 
 from lmfleet.dialects import REASONING_KEYS
 from lmfleet.gateway.relay import sse
-from lmfleet.gateway.routing.tokens import count_chat, count_completion
+from lmfleet.gateway.core.tokens import count_chat, count_completion
 
 PROVIDER = "provider"
 """Usage source: the backend's own ``usage``."""
@@ -129,7 +129,7 @@ def count_usage(tok: Any | None, kind: str, body: dict[str, Any], text: str | No
     ``prompt_guess`` and 4 characters a token (at least one token per streamed chunk). ``text`` None (not
     kept): one token per streamed chunk, as a local engine streams. ``prompt_counted``: the prompt's messages
     (or completions prompt) already counted with this tokenizer
-    (:func:`~lmfleet.gateway.routing.tokens.count_prompt_tokens`), not tokenized again."""
+    (:func:`~lmfleet.gateway.core.tokens.count_prompt_tokens`), not tokenized again."""
     if text is None:
         completion = chunks
     elif tok is None:

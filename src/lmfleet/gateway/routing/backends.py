@@ -5,7 +5,8 @@ Two kinds, one protocol (:class:`Backend`)::
     LocalBackend     a model's Ray Serve deployment: load tracker, readiness, cost meter, Serve base URL
     ProviderBackend  an external OpenAI-compatible provider: breaker, in-flight cap, price, model map, key
 
-The request run (:mod:`lmfleet.gateway.relay.run`) drives a backend through one attempt::
+The request run (:mod:`lmfleet.gateway.relay.run`) drives a backend through one attempt (the protocol and its
+:class:`Ask` are the relay's, :mod:`lmfleet.gateway.relay.backend`)::
 
     slot = await backend.acquire(ask)          # admission (breaker, caps, budget) + counted in flight; None: skip
         ... call backend.endpoint(...) ...
@@ -24,37 +25,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from lmfleet.config.models import ModelConfig, ProviderConfig
 from lmfleet.dialects import resolve as resolve_dialect
 from lmfleet.gateway.routing.budget import BudgetGuard
-from lmfleet.gateway.front.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
+from lmfleet.gateway.core.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
 from lmfleet.gateway.routing.health import HealthBoard
+from lmfleet.gateway.relay.backend import Ask, Backend
 from lmfleet.gateway.relay.upstream import Endpoint, HttpPool
-from lmfleet.store import Cap, Reservation
+from lmfleet.store import Reservation
 from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, Reason, backoff_s, external_cost_usd
 from lmfleet.overflow.breaker import Admission
 from lmfleet.provenance import local_label, provider_label
 
+__all__ = ["Ask", "Backend", "LocalBackend", "ProviderBackend", "ProviderSlot"]
+
 log = logging.getLogger("lmfleet.gateway")
-
-
-@dataclass(frozen=True)
-class Ask:
-    """What admission needs to know of one attempt."""
-
-    request_id: str
-    prompt_tokens: int
-    """The count or an estimate (for the load tracker)."""
-    prompt_upper: int | None
-    """Never below the real count (None: unknown): what a budget reservation holds for."""
-    max_tokens: int | None
-    max_model_len: int | None
-    spend_caps: tuple[Cap, ...] = ()
-    """The tenant's own spend caps (hourly/daily USD on paid providers), reserved beside the fleet's."""
-    streamed: bool = True
-    """The answer is streamed: the gateway sees its first token (the load tracker's prefill work ahead)."""
 
 
 @dataclass
@@ -64,26 +51,6 @@ class ProviderSlot:
 
     admission: Admission
     reservation: Reservation | None = None
-
-
-class Backend(Protocol):
-    """Something one attempt of a request can be sent to (see the module docstring for the call order)."""
-
-    label: str
-    """Provenance (``local/MODEL``, ``provider/NAME``): the x-lmfleet-served-by header, ledger and metrics label."""
-    fallback_reason: Reason
-    """The route reason a request reports when a later backend serves it after this one failed."""
-
-    def endpoint(self, model: str, *, has_fallback: bool) -> Endpoint: ...
-    async def acquire(self, ask: Ask) -> Any | None: ...
-    def first_token(self, slot: Any) -> None: ...
-    def finish(self, slot: Any, output_tokens: int) -> None: ...
-    def fail(self, slot: Any, err: UpstreamError) -> None: ...
-    def break_stream(self, slot: Any, output_tokens: int, *, timed_out: bool) -> None: ...
-    def cancel(self, slot: Any) -> None: ...
-    def attempts(self, *, last: bool) -> int: ...
-    def backoff_s(self, k: int, last_error: UpstreamError | None) -> float: ...
-    def charge(self, input_tokens: int, output_tokens: int) -> float: ...
 
 
 _DEAD_ENGINE_TEXTS = ("EngineCore encountered an issue", "EngineDeadError", "ActorDiedError")

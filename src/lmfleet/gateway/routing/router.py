@@ -4,8 +4,9 @@
     plan.backends                        # the chosen backend first, then the fallbacks, in order
     plan.reason                          # why (x-lmfleet-route-reason)
 
-The decision itself is :func:`lmfleet.overflow.decide` (a pure function); this module gathers its inputs
-(load, breakers, budget) and turns its answer into backend objects. It does no HTTP: trying the backends
+The decision itself is :func:`lmfleet.gateway.routing.decision.route_plan` (a pure function, over
+:func:`lmfleet.overflow.decide`); this module gathers its inputs (load, margin, breakers, budget, the tenant's
+admission) and applies its effects (hysteresis state, metrics, the tenant's ticket), turning it into backend objects. It does no HTTP: trying the backends
 is :mod:`lmfleet.gateway.relay.run`'s job. A request's predicted local wait is :func:`class_wait_ms` (pure): with
 priority classes, only the requests ahead of it in the local queue count.
 """
@@ -26,33 +27,20 @@ from lmfleet.config.tenants import PriorityClass
 from lmfleet.gateway.routing.backends import Backend
 from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.routing.served import ServedModel
-from lmfleet.gateway.front.errors import GatewayError
+from lmfleet.gateway.core.errors import GatewayError
 from lmfleet.gateway.observe.metrics import GatewayMetrics
-from lmfleet.overflow import (
-    BudgetStatus,
-    OverflowMode,
-    ProviderCandidate,
-    QueueSignals,
-    Reason,
-    RouteDecision,
-    check_budget,
-    decide,
-    estimate_wait_ms,
-)
+from lmfleet.gateway.routing.decision import LOCAL, RouteInputs, route_plan
+from lmfleet.overflow import BudgetStatus, ProviderCandidate, QueueSignals, Reason, check_budget, estimate_wait_ms
 from lmfleet.overflow.budget import DAY_S
-from lmfleet.overflow.margin import applied_margin_ms
-from lmfleet.overflow.policy import LOCAL
-from lmfleet.overflow.policies import Action, AttemptState, Permissions, Policy, PolicyTimers, next_step
+from lmfleet.overflow.policies import Permissions
 from lmfleet.store import Cap, Ledger, StoreUnavailable, caps_for_budget, tenant_key
-from lmfleet.tenants import PRIORITY_HEADER, Outcome, Tenant, TenantBook, Ticket
+from lmfleet.tenants import PRIORITY_HEADER, Tenant, TenantBook, Ticket
 
 log = logging.getLogger("lmfleet.gateway")
 
 BUDGET_CACHE_S = 1.0
 
 
-_LOCAL_FIRST = frozenset({Policy.TTFT_TIMEOUT, Policy.ON_ERROR})
-"""Policies that send every request locally first, whatever the estimate."""
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 _NO_WAITING: Mapping[int, int] = MappingProxyType({})
 
@@ -183,9 +171,9 @@ class Router:
                     prompt_tokens: int = 0) -> Plan:
         """Decide where one request of ``m`` goes: the chosen backend first, then the fallbacks.
 
-        ``tenant``/``cls``: who sent it and in which priority class (None: no tenant admission). A tenant over
-        its limits gets 429 (:func:`lmfleet.tenants.admit`); a class with a local deadline (batch) stays local
-        while the predicted wait is within it and reaches a paid provider only when the tenant allows it.
+        ``tenant``/``cls``: who sent it and in which priority class (None: no tenant admission). The decision is
+        :func:`~lmfleet.gateway.routing.decision.route_plan` (pure); this method gathers its inputs and applies
+        its effects: the model's hysteresis state, the metrics, the tenant's admission and ticket.
 
         Raises a 429 :class:`GatewayError` when the budget is spent, the local queue is too long and the
         fleet is configured to reject rather than queue, or when the tenant's admission refuses it.
@@ -202,119 +190,41 @@ class Router:
         store_down = (guard is not None and guard.is_down) or self.ledger_down
         if guard is not None and store_down:
             guard.probe_if_due()  # the route reopens once a probe gets through
-        mode = m.mode
-        local_down = not m.local.health.is_ready(m.name)
-        if local_down and mode is not OverflowMode.FORCE_OFF and candidates:
-            mode = OverflowMode.FORCE_ON  # anyone healthy beats a 503
-        o = m.app.cfg.overflow
         # the decision weighs the estimate plus the miss margin (how much longer than predicted recent requests near
         # the threshold waited, or its prior while too few did and the engine is busy); the plan, its header and the
         # ledger keep the estimate itself
         margin = m.margin.margin_ms(m.threshold_ms, idle=signals.in_flight == 0)
         self._child(self.metrics.miss_margin, m.name).set(margin)
-        d = decide(model=m.name, estimate_ms=estimate + applied_margin_ms(estimate, margin, m.threshold_ms),
-                   threshold_ms=m.threshold_ms, hysteresis=o.hysteresis,
-                   state=m.hysteresis, mode=mode, enabled=o.enabled or m.mode is OverflowMode.FORCE_ON,
-                   budget=budget, on_exhausted=self.budget.on_exhausted, candidates=candidates,
-                   store_down=store_down, peers_overflowing=m.peers_overflowing())
-        if cls is None or cls.max_wait_s is None or m.queue is None:
-            # with a queue, only requests whose route follows decide() move the model's hysteresis band (reported
-            # to the peers and the dashboard as "overflowing"): a batch request's estimate counts the whole queue,
-            # which an interactive one overtakes, and must not lower the bar interactive requests overflow at
-            m.hysteresis = d.state
-        reason: Reason = (Reason.LOCAL_UNAVAILABLE if mode is not m.mode and d.is_provider
-                                            else d.reason)
-        if (d.reason is Reason.QUEUE_ESTIMATE_ABOVE_THRESHOLD and m.timers.policy in _LOCAL_FIRST
-                and (cls is None or cls.max_wait_s is None)):  # a batch class's deadline is the tenant's rule
-            d, reason = self._policy_admission(m, d, estimate, cls, tenant)
-        if tenant is not None and cls is not None and self.tenants is not None:
-            plan = await self._admit(m, tenant, cls, prompt_tokens, d, reason, estimate, budget, store_down,
-                                     local_down)
-            caps = self.tenant_caps.get(tenant.name)
-            return dataclasses.replace(plan, spend_caps=caps) if caps else plan
-        self._child(self.metrics.overflowed, m.name, d.target, reason.value).inc()
-        return self._plan(m, d, reason, estimate, budget, store_down)
-
-    @staticmethod
-    def _policy_admission(m: ServedModel, d: RouteDecision, estimate: float, cls: PriorityClass | None,
-                          tenant: Tenant | None) -> tuple[RouteDecision, Reason]:
-        """``decide()`` would spill ``d`` on the estimate; under ttft_timeout and on_error,
-        :func:`lmfleet.overflow.policies.next_step` at admission keeps it local. (predictive and hedge admit as
-        ``decide()`` does: its hysteresis band and the miss margin included.)"""
-        step = next_step(m.timers, now=time.monotonic(), estimate_ms=estimate, threshold_ms=m.threshold_ms,
-                         permissions=_permissions(cls, tenant), provider_open=True, attempt=AttemptState())
-        if step.action is Action.SEND_LOCAL:
-            return dataclasses.replace(d, target=LOCAL, reason=Reason.LOCAL_FIRST), Reason.LOCAL_FIRST
-        return d, d.reason
-
-    async def _admit(self, m: ServedModel, tenant: Tenant, cls: PriorityClass, prompt_tokens: int, d: RouteDecision,
-                     reason: Reason, estimate: float, budget: BudgetStatus | None, store_down: bool,
-                     local_down: bool) -> Plan:
-        """Today's decision ``d`` under the tenant's admission: its limits (429), and for a class with a local
-        deadline: local while within it, a paid provider only when the tenant allows it, else 429. Admission and
-        counting are one step (:meth:`TenantBook.enter`: one transaction when the limits are shared)."""
         book = self.tenants
-        assert book is not None
-        headers = self._class_headers[cls.name]
+        admitted = tenant is not None and cls is not None and book is not None
+        o = m.app.cfg.overflow
+        inp = RouteInputs(
+            m.name, estimate, m.threshold_ms, margin, o.hysteresis, m.hysteresis, m.peers_overflowing(), m.mode,
+            o.enabled, m.timers.policy, budget, self.budget.on_exhausted, candidates, store_down,
+            m.local.health.is_ready(m.name), m.queue is not None,
+            tenant if admitted else None, cls if admitted else None,
+            admitted and book.is_limited(tenant),  # type: ignore[union-attr, arg-type]
+            self._class_headers[cls.name] if admitted else _NO_HEADERS)  # type: ignore[union-attr]
+        p = route_plan(inp)
+        if p.state is not None:
+            m.hysteresis = p.state
         ticket: Ticket | None = None
-        if book.is_limited(tenant) or cls.max_wait_s is not None:
-            # an interactive request that decide() rejects is refused by _plan: checked, not counted
-            a, ticket = await book.enter(tenant, cls, estimate_ms=estimate, threshold_ms=m.threshold_ms,
-                                         provider_ok=d.is_provider, prompt_tokens=prompt_tokens,
-                                         take=not (d.is_reject and cls.max_wait_s is None))
-            if a.outcome is Outcome.REJECT:
-                self._child(self.metrics.overflowed, m.name, "reject", a.reason.value).inc()
-                self._child(self.metrics.tenant_rejected, tenant.name, a.reason.value).inc()
-                body = a.body() or {}
-                err = body.get("error", {})
-                raise GatewayError(429, a.message or "Rate limit reached.", type=err.get("type"),
-                                   code=err.get("code"), headers={**a.headers, **headers})
-            if a.headers:
-                headers = {**a.headers, **headers}
-            if cls.max_wait_s is not None and a.outcome is not Outcome.PROVIDER and not (
-                    local_down and d.is_provider and tenant.batch_may_use_providers):
-                # held locally (within its deadline): a paid provider only as a fallback the tenant allows
-                why = Reason.WITHIN_DEADLINE if d.is_provider or d.is_reject else reason
-                self._child(self.metrics.overflowed, m.name, "local", why.value).inc()
-                fallbacks = self._fallbacks(m, None, budget, store_down) if tenant.batch_may_use_providers else []
-                return Plan([m.local, *fallbacks], why, estimate, ticket, headers, cls,
-                            permissions=_permissions(cls, tenant))
-        self._child(self.metrics.overflowed, m.name, d.target, reason.value).inc()
-        return self._plan(m, d, reason, estimate, budget, store_down, tenant, headers, cls, ticket)
-
-    def _fallbacks(self, m: ServedModel, chosen: str | None, budget: BudgetStatus | None,
-                   store_down: bool) -> list[Backend]:
-        if (budget is None or budget.allowed) and not store_down and m.mode is not OverflowMode.FORCE_OFF:
-            return [p for p in m.providers if p.name != chosen and p.healthy()]
-        return []
-
-    def _plan(self, m: ServedModel, d: RouteDecision, reason: Reason, estimate: float,
-              budget: BudgetStatus | None, store_down: bool, tenant: Tenant | None = None,
-              headers: Mapping[str, str] = _NO_HEADERS, cls: PriorityClass | None = None,
-              ticket: Ticket | None = None) -> Plan:
-        """The backends of decision ``d``: the chosen one first, then the fallbacks (429 for a reject); the
-        tenant's request is counted (``ticket``, unless admission counted it already) only once it cannot be
-        refused any more."""
-        if d.is_reject:
-            if ticket is not None:  # not reached (_admit counts no such request); never leak a slot
+        if p.ask is not None:
+            a, ticket = await book.enter(  # type: ignore[union-attr]
+                tenant, cls, estimate_ms=p.ask.estimate_ms, threshold_ms=p.ask.threshold_ms,  # type: ignore[arg-type]
+                provider_ok=p.ask.provider_ok, prompt_tokens=prompt_tokens, take=p.ask.take)
+            p = route_plan(inp, a)
+        if p.counted is not None:
+            self._child(self.metrics.overflowed, m.name, *p.counted[:1], p.counted[1].value).inc()
+        if p.refusal is not None:
+            if ticket is not None:  # never leak a slot
                 ticket.release()
-            why = ("The budget store cannot be reached, so paid providers are closed,"
-                   if d.reason is Reason.BUDGET_STORE_DOWN else "External spending budget exhausted")
-            raise GatewayError(429, f"{why} and the local queue for {m.name!r} is "
-                               f"full (predicted wait {estimate:.0f} ms). Retry later.", code="budget_exhausted",
-                               headers={"retry-after": str(max(1, int(d.retry_after_s or 60)))})
-        fallbacks = self._fallbacks(m, d.target, budget, store_down)
-        if ticket is None and tenant is not None and self.tenants is not None:
-            ticket = self.tenants.take(tenant)
-        perms = _permissions(cls, tenant)
-        if d.is_provider:
-            chosen = next(p for p in m.providers if p.name == d.target)
-            return Plan([chosen, *fallbacks, m.local], reason, estimate, ticket, headers, cls, permissions=perms)
-        return Plan([m.local, *fallbacks], reason, estimate, ticket, headers, cls, permissions=perms)
-
-
-def _permissions(cls: PriorityClass | None, tenant: Tenant | None) -> Permissions:
-    """What the request's class and tenant allow: a class with a local deadline (batch) pays for a provider only
-    when its tenant allows it."""
-    return Permissions(batch=cls is not None and cls.max_wait_s is not None,
-                       batch_may_use_providers=tenant is not None and tenant.batch_may_use_providers)
+            r = p.refusal
+            if r.tenant_reason is not None:
+                self._child(self.metrics.tenant_rejected, tenant.name, r.tenant_reason.value).inc()  # type: ignore
+            raise GatewayError(429, r.message, type=r.type, code=r.code, headers=dict(r.headers))
+        if p.take_ticket:
+            ticket = book.take(tenant)  # type: ignore[union-attr, arg-type]
+        backends: list[Backend] = [m.local if name == LOCAL else m.provider(name) for name in p.order]
+        caps = self.tenant_caps.get(tenant.name, ()) if admitted else ()  # type: ignore[union-attr]
+        return Plan(backends, p.reason, estimate, ticket, p.headers, cls if admitted else None, caps, p.permissions)

@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from lmfleet.engine.app import ModelApp
-from lmfleet.gateway.front.validation import ParsedRequest, check_context
+from lmfleet.gateway.core.request import ParsedRequest, check_context
 from lmfleet.gateway.routing.backends import LocalBackend, ProviderBackend
-from lmfleet.gateway.routing.tokens import count_prompt_tokens, template_overhead, token_bounds
+from lmfleet.gateway.core.tokens import count_prompt_tokens, template_overhead, token_bounds
 from lmfleet.overflow import HysteresisState, OverflowMode
 from lmfleet.overflow.margin import MissMargin
 from lmfleet.overflow.policies import PolicyTimers
@@ -56,6 +56,10 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.app.name
+
+    def provider(self, name: str) -> ProviderBackend:
+        """Its provider named ``name`` (one of :attr:`providers`)."""
+        return next(p for p in self.providers if p.name == name)
 
     async def prompt_size(self, req: ParsedRequest) -> PromptSize:
         """The prompt's size in tokens; 400 when prompt + max_tokens cannot fit in the context.
