@@ -159,10 +159,18 @@ def test_parse_replay(text, expected):
     assert parse_replay(text) == expected
 
 
+def test_parse_replay_default_path():
+    default = Path("/d/A.csv")
+    assert parse_replay("azure", default) == ReplaySpec(default)
+    assert parse_replay("azure:requests=9", default) == ReplaySpec(default, requests=9)
+    assert parse_replay("azure:t.csv:requests=9", default) == ReplaySpec(Path("t.csv"), requests=9)
+
+
 @pytest.mark.parametrize("text,message", [
-    ("t.csv", "expected azure:PATH"),
-    ("sharegpt:t.csv", "expected azure:PATH"),
-    ("azure:", "expected azure:PATH"),
+    ("t.csv", r"expected azure\[:PATH\]"),
+    ("sharegpt:t.csv", r"expected azure\[:PATH\]"),
+    ("azure:", "no file path"),
+    ("azure:start=5", "no file path"),
     ("azure:t.csv:start=x", "'x' is not a number"),
     ("azure:t.csv:requests=1.5", "'1.5' is not a whole number"),
     ("azure:t.csv:duration=10:requests=5", "not both"),

@@ -80,16 +80,17 @@ OPTIONS = {"start": ("start_s", float), "duration": ("duration_s", float), "requ
            "load": ("load", float), "rate": ("rate_rps", float), "speed": ("speed", float), "tokens": ("tokens", float)}
 
 
-def parse_replay(text: str) -> ReplaySpec:
-    """``azure:PATH[:start=S][:duration=D|:requests=N][:load=X|:rate=R|:speed=S][:tokens=F]``, e.g.
-    ``azure:../shared/traces/AzureLLMInferenceTrace_code.csv:start=600:duration=300:load=1.3:tokens=0.25``."""
-    kind, sep, rest = text.partition(":")
-    if kind != "azure" or not sep or not rest:
-        raise BenchInputError(f"--trace {text!r}: expected azure:PATH[:OPTION=VALUE...] with options "
+def parse_replay(text: str, default_path: Path | None = None) -> ReplaySpec:
+    """``azure[:PATH][:start=S][:duration=D|:requests=N][:load=X|:rate=R|:speed=S][:tokens=F]``, e.g.
+    ``azure:../shared/traces/AzureLLMInferenceTrace_code.csv:start=600:requests=250:load=1.3:tokens=0.25``;
+    without a PATH, ``default_path``."""
+    kind, _, rest = text.partition(":")
+    if kind != "azure":
+        raise BenchInputError(f"--trace {text!r}: expected azure[:PATH][:OPTION=VALUE...] with options "
                               f"{sorted(OPTIONS)} (a CSV with columns {', '.join(COLUMNS)})")
-    parts = rest.split(":")
+    parts = rest.split(":") if rest else []
     # the path ends at the first part that is an option (a path may hold ':' itself)
-    first = next((i for i, p in enumerate(parts) if p.partition("=")[0] in OPTIONS and "=" in p), len(parts))
+    first = next((i for i, p in enumerate(parts) if "=" in p and p.partition("=")[0] in OPTIONS), len(parts))
     path, values = ":".join(parts[:first]), {}
     for opt in parts[first:]:
         key, _, value = opt.partition("=")
@@ -101,11 +102,11 @@ def parse_replay(text: str) -> ReplaySpec:
         except ValueError:
             what = "a whole number" if cast is int else "a number"
             raise BenchInputError(f"--trace option {opt!r}: {value!r} is not {what}") from None
-    if not path:
-        raise BenchInputError(f"--trace {text!r}: no file path")
+    if not path and default_path is None:
+        raise BenchInputError(f"--trace {text!r}: no file path (azure:PATH[:OPTION=VALUE...])")
     if "requests" in values and "duration_s" in values:
         raise BenchInputError(f"--trace {text!r}: give duration= or requests=, not both")
-    return ReplaySpec(Path(path), **values)
+    return ReplaySpec(Path(path) if path else default_path, **values)
 
 
 def _timestamp(text: str) -> tuple[datetime, float]:
@@ -191,6 +192,8 @@ class Replay:
     max_model_len: int | None
     capped: int
     """Requests whose tokens the context cut."""
+    pace: str
+    """How the time factor was chosen."""
     attribution: str
 
     def header(self) -> dict:
@@ -198,11 +201,9 @@ class Replay:
         return {k: v for k, v in asdict(self).items() if k != "requests"}
 
     def describe(self) -> str:
-        pace = (f"{self.load:g} x capacity {self.capacity_rps:.2f} req/s" if self.load and self.capacity_rps
-                else "as asked" if self.time_factor != 1 else "as recorded")
-        text = (f"trace {self.trace}, window {self.start_s:g}-{self.start_s + self.length_s:g} s "
+        text = (f"trace {self.trace}, window {self.start_s:g}-{self.start_s + self.length_s:.1f} s "
                 f"({len(self.requests)} of {self.recorded_requests} requests, {self.recorded_rps:.2f} req/s "
-                f"recorded), time x {self.time_factor:.3g} (mean {self.mean_rps:.3g} req/s, {pace}), tokens x "
+                f"recorded), time x {self.time_factor:.3g} (mean {self.mean_rps:.3g} req/s: {self.pace}), tokens x "
                 f"{self.token_factor:g}")
         if self.max_model_len:
             text += f" capped at {self.max_model_len} (prompt + output; {self.capped} cut)"
@@ -214,15 +215,19 @@ def replay(spec: ReplaySpec, trace: Sequence[Recorded], *, capacity_rps: float |
     """The spec's window of ``trace``, paced and scaled (module docstring). ``load=`` needs ``capacity_rps``."""
     picked, length = window(trace, spec.start_s, spec.duration_s, spec.requests)
     n = len(picked)
+    pace = "as recorded"
     if spec.load is not None:
+        pace = f"{spec.load:g} x capacity {capacity_rps or 0:.3g} req/s"
         if not capacity_rps:
             raise BenchInputError("trace load= is a multiple of the measured capacity; none was measured "
                                   "(use rate= or speed=)")
         factor = time_factor(n, length, spec.load * capacity_rps)
     elif spec.rate_rps is not None:
-        factor = time_factor(n, length, spec.rate_rps)
+        factor, pace = time_factor(n, length, spec.rate_rps), f"rate {spec.rate_rps:g} req/s asked"
+    elif spec.speed:
+        factor, pace = 1.0 / spec.speed, f"played {spec.speed:g}x as fast as recorded"
     else:
-        factor = 1.0 / spec.speed if spec.speed else 1.0
+        factor = 1.0
     out, capped = [], 0
     for i, r in enumerate(picked):
         p, o = cap_tokens(r.prompt_tokens, r.output_tokens, spec.tokens, max_model_len)
@@ -231,4 +236,4 @@ def replay(spec: ReplaySpec, trace: Sequence[Recorded], *, capacity_rps: float |
     name = spec.path.name
     return Replay(out, name, spec.start_s, length, len(trace), n / length if length else float("nan"), factor,
                   n / (length * factor) if length else float("nan"), spec.load, capacity_rps, spec.tokens,
-                  max_model_len, capped, AZURE_ATTRIBUTION if name.startswith("AzureLLMInferenceTrace") else "")
+                  max_model_len, capped, pace, AZURE_ATTRIBUTION if name.startswith("AzureLLMInferenceTrace") else "")
