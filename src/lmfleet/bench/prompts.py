@@ -131,6 +131,14 @@ class PromptSynthesizer:
             ids = ids["input_ids"]
         return len(ids)
 
+    def min_tokens(self, api: str) -> int:
+        """The shortest prompt this API can be given: its fixed overhead (chat template, special tokens) + 1."""
+        if api == "chat":
+            if self._chat_overhead is None:
+                self._chat_overhead = self.count_chat("a") - 1
+            return self._chat_overhead + 1
+        return self._special + 1
+
     def text(self, n: int, rng: random.Random) -> str:
         """``n`` single-token words (``n`` tokens on their own; a neighbour may merge at the edges)."""
         return "".join(rng.choices(self.words, k=n))
@@ -204,19 +212,21 @@ def load_dataset(path: Path, n: int, seed: int, tokenizer: Any | None, max_token
 
 
 def trace_requests(trace: Sequence[TraceRequest], synth: PromptSynthesizer, api: str = "chat", seed: int = 0,
-                   ignore_eos: bool = True) -> list[BenchRequest]:
-    """One request per trace entry, with a prompt of exactly its ``prompt_tokens`` and ``max_tokens`` its
-    ``output_tokens``. ``ignore_eos`` (vLLM) by default: a replay asks for the recorded output length, and a model
-    that stops early would answer a lighter trace than the one recorded."""
+                   ignore_eos: bool = False) -> list[BenchRequest]:
+    """One request per trace entry, with a prompt of exactly its ``prompt_tokens`` (at least the API's fixed
+    overhead + 1: :meth:`PromptSynthesizer.min_tokens`) and ``max_tokens`` its ``output_tokens``. ``ignore_eos``
+    (vLLM only): generate the recorded output length even where the model would stop earlier."""
     if api not in ("chat", "completion"):
         raise BenchInputError(f"trace api {api!r}: expected chat or completion")
     rng = random.Random(seed)
+    floor = synth.min_tokens(api)
     out = []
     for r in trace:
+        n = max(r.prompt_tokens, floor)
         if api == "chat":
-            out.append(BenchRequest(r.kind, "chat", r.prompt_tokens, r.output_tokens,
-                                    messages=synth.chat(r.prompt_tokens, rng), ignore_eos=ignore_eos))
+            out.append(BenchRequest(r.kind, "chat", n, r.output_tokens, messages=synth.chat(n, rng),
+                                    ignore_eos=ignore_eos))
         else:
-            out.append(BenchRequest(r.kind, "completion", r.prompt_tokens, r.output_tokens,
-                                    prompt=synth.completion(r.prompt_tokens, rng), ignore_eos=ignore_eos))
+            out.append(BenchRequest(r.kind, "completion", n, r.output_tokens, prompt=synth.completion(n, rng),
+                                    ignore_eos=ignore_eos))
     return out
