@@ -62,7 +62,7 @@ class Outcome:
 
 
 def summarize(outcomes: list[Outcome], slo_s: float, spend_usd: float) -> dict:
-    """One policy's figures (rounds pooled); the module docstring says what each means."""
+    """One arm's figures (rounds pooled); the benchmark's docstring says what each means."""
     n = len(outcomes)
     ok = [o for o in outcomes if o.ok]
     ttfts = [o.ttft_s * 1000 for o in ok]  # type: ignore[operator]
