@@ -148,3 +148,15 @@ def test_a_bad_trace_fails_before_the_fleet_starts(bench, tmp_path):
                            f"azure:{tmp_path / 'none.csv'}", "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "does not exist" in done.stderr and "fleet" not in done.stdout
+
+
+@pytest.mark.parametrize("shape", ["onoff", "ramp", "prefill", "output"])
+@pytest.mark.parametrize("smoke", [False, True])
+def test_every_shape_builds_a_trace_and_names_its_knobs(bench, shape, smoke):
+    import json
+
+    a = args_for(bench, shape=shape, smoke=smoke, duration=8.0 if smoke else 90.0)
+    trace, info = bench.workload(a, 2.0)
+    assert trace and all(r.prompt_tokens + r.output_tokens <= 4096 for r in trace)
+    assert info["name"] == shape and info["params"] and shape in info["describe"]
+    json.dumps(info)  # summary.json
