@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-unit clean chromium tcmalloc
+.PHONY: install run test test-unit clean chromium tcmalloc litellm
 .DEFAULT_GOAL := run
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -46,5 +46,18 @@ test: install chromium
 test-unit: install chromium
 	$(VENV)/bin/pytest -m "not e2e" $(PYTEST_ARGS)
 
+# the real LiteLLM proxy, for `benchmarks/bench_overflow_policies.py --litellm`: in its own venv, not a project
+# dependency; pinned (a known release: 1.107.0 was a compromised one)
+LITELLM_VENV    ?= .venv-litellm
+LITELLM_VERSION ?= 1.108.7
+
+$(LITELLM_VENV)/.installed: Makefile
+	python3 -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LITELLM_VENV)/bin/python -m pip install -q 'litellm[proxy]==$(LITELLM_VERSION)'
+	touch $@
+
+litellm: $(LITELLM_VENV)/.installed
+
 clean:
-	rm -rf $(VENV) *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(LITELLM_VENV) *.egg-info src/*.egg-info

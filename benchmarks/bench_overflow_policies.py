@@ -1,8 +1,18 @@
-"""Overflow policies on one bursty trace: predictive, hedge, ttft_timeout, on_error and local only, against the
-oracle's spend.
+"""Overflow policies on one trace: predictive, hedge, ttft_timeout, on_error and local only, against the oracle's
+spend, and optionally the real LiteLLM proxy beside them.
 
     .venv/bin/python benchmarks/bench_overflow_policies.py --out out/bench_overflow_policies [--duration 90] [--rounds 2]
     .venv/bin/python benchmarks/bench_overflow_policies.py --smoke   # seconds of trace: the harness works
+    .venv/bin/python benchmarks/bench_overflow_policies.py --shape onoff|ramp|prefill|output   # another shape
+    .venv/bin/python benchmarks/bench_overflow_policies.py --trace azure:start=600:requests=250:load=1.3:tokens=0.25
+    make litellm && .venv/bin/python benchmarks/bench_overflow_policies.py --litellm   # + LiteLLM arms
+
+The trace: ``--shape`` (:mod:`lmfleet.bench.shapes`; ``gamma``, the default, is the bursty trace of
+:mod:`lmfleet.bench.trace`) built at the measured capacity, or ``--trace`` (:mod:`lmfleet.bench.replay`): a window of
+a recorded trace in the Azure format (by default ``../shared/traces/AzureLLMInferenceTrace_code.csv`` beside the
+checkout, CC-BY 4.0: its credit is printed with the figures), paced to a multiple of the measured capacity and its
+token counts scaled and capped by the context (``--max-model-len`` less a margin for the chat template). The
+header, and ``trace`` in summary.json, name the trace, its window and every factor.
 
 It starts the fake provider (``lmfleet.testing.fast_openai_server --latency-model``: TTFT log-normal, median
 400 ms, P99 1.5 s, 25 ms per output token; priced at ``--price-in``/``--price-out`` $/1M tokens) and
@@ -32,10 +42,20 @@ The oracle (:mod:`lmfleet.overflow.oracle`): the local service model fitted on t
 request counts as queued when ``max_num_seqs`` earlier requests were still streaming as it was sent), then
 the cheapest spill set that meets the SLO on the same trace: its spend is the bound a policy's is compared to.
 
+``--litellm``: the real LiteLLM proxy (``make litellm`` installs it into ``.venv-litellm``;
+:mod:`lmfleet.testing.litellm_proxy`) routed to the engine's own Serve endpoint (``/smollm2/v1`` on ``serve_port``, as
+the gateway reaches it) with ``stream_timeout`` at each of ``--litellm-timeouts-ms`` (the threshold and 0.6x it by
+default), ``fallbacks`` to the same fake provider and ``num_retries: 0``; each timeout is one more arm of every round
+(the gateway forced local meanwhile, so that it sends nothing). Its spend is the provider's bill for the answers it
+gave (their usage at its price: LiteLLM has no lmfleet ledger); a fallback sent the prompt twice. Its
+``stream_timeout`` also bounds every gap between chunks: a stall mid-stream ends in an error, not a fallback. It is
+stopped by pid at the end, on failure and on Ctrl-C.
+
 The client and the fake provider stand for machines outside the fleet. On a small machine they would wait for CPU
 behind the fleet's own processes (vLLM's CPU engine binds its threads to one core; the gateway, Ray Serve and the
 rest share the others) and add that wait to every TTFT, the provider's included: when the bench starts its own
-fleet they run at autogroup nice ``--outside-nice`` (-10, root only; this process's session and the provider's).
+fleet they run at autogroup nice ``--outside-nice`` (-10, root only; this process's session and the provider's),
+and so does the LiteLLM proxy, which would run on a node of its own.
 ``uptime``'s load is printed at the start and the end.
 """
 
@@ -47,19 +67,25 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from lmfleet.bench.trace import TraceRequest, TraceSpec, bursty_trace
+from lmfleet.bench.overflow_figures import (Outcome, estimate_line, header_lines, pooled_estimate,  # noqa: F401
+                                            provider_bill_usd, service_samples, summarize, table)
+from lmfleet.bench.mix import BenchInputError
+from lmfleet.bench.replay import parse_replay, read_trace_file, replay as replay_trace
+from lmfleet.bench.shapes import SHAPES, shape_trace
+from lmfleet.bench.trace import TraceRequest
 from lmfleet.config.models import ProviderPrice
-from lmfleet.overflow.estimate_error import estimate_error, percentile
-from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, oracle_spill
+from lmfleet.net import free_port
+from lmfleet.overflow.oracle import LocalServiceModel, oracle_spill
 from lmfleet.provenance import is_external
 from lmfleet.testing.fleet import autogroup_nice
+from lmfleet.testing.litellm_proxy import LiteLLMProxy, arm_model, litellm_bin, litellm_config
+from lmfleet.testing.overflow_client import Endpoint, closed_loop, replay
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,197 +97,10 @@ PKEY = "sk-bench-provider"
 MODEL = "smollm2"
 LOCAL_ONLY = "local only"
 POLICIES = ("predictive", "hedge", "ttft_timeout", "on_error", LOCAL_ONLY)
-WORDS = ("the of and to in is was for on are with as by at be this from or an have not which one all were "
-         "when there can more if out so what up its about into than them only other new some could time these "
-         "two may then do first any my now such like our over man me even most made after also did many before "
-         "must through back years where much your way well down should because each just those people how too").split()
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"
+CONTEXT_MARGIN = 64
+"""Tokens of the context a replayed request leaves free: the chat template's, and words that are two tokens."""
 
-
-@dataclass
-class Outcome:
-    """One replayed request, as the client saw it."""
-
-    index: int
-    prompt_tokens: int
-    output_tokens: int
-    sent_s: float
-    """Seconds after the run's start when it was sent (its arrival)."""
-    ttft_s: float | None
-    e2e_s: float | None
-    status: int
-    served_by: str = ""
-    route_reason: str = ""
-    hedged: bool = False
-    estimate_ms: float | None = None
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and not self.error and self.ttft_s is not None
-
-    @property
-    def external(self) -> bool:
-        return is_external(self.served_by) if self.served_by else False
-
-    @property
-    def both_sent(self) -> bool:
-        """The prompt went to the local engine and to a provider."""
-        return self.hedged or self.route_reason == "ttft_timeout"
-
-    @property
-    def after_cancel(self) -> bool:
-        """Answered by a provider after the local attempt was cancelled."""
-        return self.route_reason in ("ttft_timeout", "hedge_won")
-
-
-# ---- pure: the figures ---------------------------------------------------------------------------------------
-
-def summarize(outcomes: list[Outcome], slo_s: float, spend_usd: float) -> dict:
-    """One policy's figures (rounds pooled); the module docstring says what each means."""
-    n = len(outcomes)
-    ok = [o for o in outcomes if o.ok]
-    ttfts = [o.ttft_s * 1000 for o in ok]  # type: ignore[operator]
-    tokens = sum(o.prompt_tokens + o.output_tokens for o in ok)
-    prompt = sum(o.prompt_tokens for o in outcomes)
-    twice = sum(o.prompt_tokens for o in outcomes if o.both_sent)
-    return {
-        "requests": n, "errors": n - len(ok),
-        "slo_attainment": sum(1 for t in ttfts if t <= slo_s * 1000) / n if n else 0.0,
-        "ttft_p50_ms": percentile(ttfts, 50), "ttft_p95_ms": percentile(ttfts, 95),
-        "ttft_p99_ms": percentile(ttfts, 99),
-        "kept_local_ttft_p99_ms": percentile([o.ttft_s * 1000 for o in ok if not o.external], 99),  # type: ignore[operator]
-        "external_share": sum(1 for o in ok if o.external) / len(ok) if ok else 0.0,
-        "spend_usd": spend_usd, "usd_per_1m_tokens": spend_usd / tokens * 1e6 if tokens else None,
-        "prompt_tokens": prompt, "prompt_tokens_sent_twice": twice,
-        "sent_twice_share": twice / prompt if prompt else 0.0,
-        "answered_after_cancel": sum(1 for o in ok if o.after_cancel),
-        "hedged": sum(1 for o in outcomes if o.hedged),
-    }
-
-
-def pooled_estimate(outcomes: list[Outcome], threshold_ms: float) -> dict | None:
-    """The estimate's error over every round of one policy, client-measured: the ``x-lmfleet-queue-estimate-ms``
-    header against the client's TTFT, of the requests answered locally (None: none). The per-round figures come
-    from the ledger (the gateway's TTFT); the client's adds its own few milliseconds."""
-    pairs = [(o.estimate_ms, o.ttft_s * 1000) for o in outcomes  # type: ignore[operator]
-             if o.ok and not o.external and o.estimate_ms is not None]
-    return estimate_error(MODEL, pairs).as_dict(threshold_ms) if pairs else None
-
-
-def service_samples(outcomes: list[Outcome], slots: int) -> list[ServiceSample]:
-    """The oracle's inputs from a ``local only`` run: a request queued when ``slots`` earlier ones still ran."""
-    done = sorted((o for o in outcomes if o.ok and o.e2e_s is not None), key=lambda o: o.sent_s)
-    out = []
-    for i, o in enumerate(done):
-        running = sum(1 for p in done[:i] if p.sent_s + p.e2e_s > o.sent_s)  # type: ignore[operator]
-        out.append(ServiceSample(o.prompt_tokens, o.output_tokens, o.ttft_s, o.e2e_s, running >= slots))  # type: ignore[arg-type]
-    return out
-
-
-def table(results: dict[str, dict], oracle_usd: float | None) -> str:
-    head = ("| policy | requests | SLO attained | TTFT P50 | P95 | P99 | kept-local P99 | external | $ spent | "
-            "$/1M tok | x oracle $ | prompt tok sent twice | answered after cancel | errors |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for name, r in results.items():
-        ratio = (f"{r['spend_usd'] / oracle_usd:.2f}" if oracle_usd else "n/a")
-        per = f"{r['usd_per_1m_tokens']:.3f}" if r["usd_per_1m_tokens"] is not None else "n/a"
-        lines.append(
-            f"| {name} | {r['requests']} | {r['slo_attainment']:.1%} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} "
-            f"| {r['ttft_p99_ms']:.0f} | {r['kept_local_ttft_p99_ms']:.0f} | {r['external_share']:.0%} | "
-            f"{r['spend_usd']:.5f} | {per} | {ratio} | {r['prompt_tokens_sent_twice']} "
-            f"({r['sent_twice_share']:.1%}) | {r['answered_after_cancel']} | {r['errors']} |")
-    return "\n".join(lines)
-
-
-# ---- I/O: the fleet, the client ------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def prompt_text(r: TraceRequest, seed: int, salt: int = 0) -> str:
-    """The request's prompt: ``r.prompt_tokens`` random words. ``salt``: which replay sends it; every replay sends
-    fresh text of the same lengths, so that vLLM's prefix cache does not serve a replay's long prompts from an
-    earlier one (a prefilled 2,500-token prompt answers in a fraction of the uncached time)."""
-    rng = random.Random((seed * 1_000_003 + r.index) * 65_537 + salt)
-    return " ".join(rng.choice(WORDS) for _ in range(r.prompt_tokens))
-
-
-async def send(session, url: str, r: TraceRequest, seed: int, t0: float, ignore_eos: bool, salt: int = 0) -> Outcome:
-    import aiohttp
-
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt_text(r, seed, salt)}],
-            "max_tokens": r.output_tokens, "stream": True, "stream_options": {"include_usage": True}}
-    if ignore_eos:
-        body["ignore_eos"] = True
-    headers = {"authorization": f"Bearer {KEYS['api']}"} if KEYS["api"] else {}
-    sent = time.monotonic()
-    o = Outcome(r.index, r.prompt_tokens, r.output_tokens, sent - t0, None, None, 0)
-    try:
-        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
-            o.status = resp.status
-            h = resp.headers
-            o.served_by, o.route_reason = h.get("x-lmfleet-served-by", ""), h.get("x-lmfleet-route-reason", "")
-            o.hedged = h.get("x-lmfleet-hedged", "").lower() in ("1", "true", "yes")
-            est = h.get("x-lmfleet-queue-estimate-ms")
-            o.estimate_ms = float(est) if est else None
-            if resp.status != 200:
-                o.error = (await resp.text())[:200]
-                return o
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                ev = json.loads(line[6:])
-                if ev.get("usage"):
-                    o.prompt_tokens = ev["usage"].get("prompt_tokens", o.prompt_tokens)
-                    o.output_tokens = ev["usage"].get("completion_tokens", o.output_tokens)
-                if o.ttft_s is None and any((c.get("delta") or {}).get("content") for c in ev.get("choices", [])):
-                    o.ttft_s = time.monotonic() - sent
-            o.e2e_s = time.monotonic() - sent
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        o.error = f"{type(e).__name__}: {e}"[:200]
-    return o
-
-
-async def replay(url: str, trace: list[TraceRequest], seed: int, ignore_eos: bool, salt: int) -> list[Outcome]:
-    """Send every request at its arrival time (open loop), whatever the answers; ``salt``: :func:`prompt_text`."""
-    import aiohttp
-
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
-        t0 = time.monotonic()
-        tasks = []
-        for r in trace:
-            delay = t0 + r.arrival_s - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(s, url, r, seed, t0, ignore_eos, salt)))
-        return list(await asyncio.gather(*tasks))
-
-
-async def closed_loop(url: str, trace: list[TraceRequest], users: int, duration_s: float, seed: int,
-                      ignore_eos: bool) -> float:
-    """Requests per second that ``users`` back-to-back clients complete on the trace's mix: each starts requests
-    for ``duration_s``; every answer counts, over the time until the last one ended (requests of several seconds
-    each would otherwise be cut off at the end and the capacity under-measured)."""
-    import aiohttp
-
-    done = 0
-    t0 = time.monotonic()
-
-    async def user(k: int) -> None:
-        nonlocal done
-        i = k
-        while time.monotonic() - t0 < duration_s:
-            o = await send(s, url, trace[i % len(trace)], seed, t0, ignore_eos, salt=-1 - i // len(trace))
-            i += users
-            done += o.ok
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
-        await asyncio.gather(*(user(k) for k in range(users)))
-    return done / (time.monotonic() - t0)
 
 
 def admin(url: str, method: str, path: str, body: dict | None = None) -> dict:
@@ -291,12 +130,6 @@ def estimate_error_of(url: str, since: float, until: float) -> dict | None:
     """The estimate's error on the model's requests kept local in the window, from the ledger (None: none)."""
     models = admin(url, "GET", f"/admin/usage?estimate=1&since={since}&until={until}")["models"]
     return next((m for m in models if m["model"] == MODEL), None)
-
-
-def estimate_line(name: str, label: str, e: dict) -> str:
-    return (f"  {name:12s} {label}: n={e['requests']} median |err| {e['median_abs_error_ms']:.0f} ms, P90 |err| "
-            f"{e['p90_abs_error_ms']:.0f} ms ({e['p90_abs_error_pct_of_threshold']:.0f} % of threshold), bias "
-            f"{e['bias_ms']:+.0f} ms, median actual/predicted {e['median_actual_over_predicted']}")
 
 
 def wait_ready(url: str, timeout: float, procs: list[subprocess.Popen]) -> None:
@@ -347,18 +180,55 @@ def main() -> None:
     ap.add_argument("--admin-key", default=ADMIN, help="with --url: the fleet's admin key")
     ap.add_argument("--api-key", default="", help="with --url: an API key of the fleet (none: no auth)")
     ap.add_argument("--serve-only", action="store_true", help="start the fleet, print its URL, run until Ctrl-C")
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--shape", choices=SHAPES, default="gamma",
+                      help="a synthetic load shape (lmfleet.bench.shapes; gamma: lmfleet.bench.trace's bursts)")
+    what.add_argument("--trace", default=None, metavar="azure[:PATH][:OPTION=VALUE...]",
+                      help="replay a trace in the Azure format (lmfleet.bench.replay): options start=S, duration=D "
+                      "or requests=N (default 250; --smoke 12), load=X (x the measured capacity; default 1.3), "
+                      "rate=R or speed=S, tokens=F (default 1); PATH defaults to ../shared/traces/"
+                      "AzureLLMInferenceTrace_code.csv beside the checkout")
+    ap.add_argument("--max-model-len", type=int, default=4096,
+                    help="the engine's context; replayed token counts are capped to it (less a margin)")
+    ap.add_argument("--litellm", action="store_true",
+                    help="add the real LiteLLM proxy (`make litellm`) as arms, routed to the same Serve endpoint "
+                    "with fallbacks to the same provider")
+    ap.add_argument("--litellm-timeouts-ms", type=lambda v: [float(x) for x in v.split(",")], default=None,
+                    help="LiteLLM's stream_timeout per arm, comma-separated (default: the threshold and 0.6x it)")
+    ap.add_argument("--serve-url", default=None,
+                    help="with --url --litellm: the model's base URL behind Serve (http://HOST:SERVE_PORT/smollm2/v1)")
+    ap.add_argument("--provider-url", default=None,
+                    help="with --url --litellm: the provider's base URL (http://HOST:PORT/v1) and model smollm2-remote")
     args = ap.parse_args()
     if args.smoke:
         args.duration, args.rounds = 8, 1
+    if args.litellm_timeouts_ms is None:
+        args.litellm_timeouts_ms = [args.threshold_ms, round(0.6 * args.threshold_ms)]
+    try:  # before the fleet starts: a wrong --trace or a missing LiteLLM fails in a second, not after minutes
+        workload(args, None)
+        if args.litellm:
+            litellm_bin(REPO)
+    except (BenchInputError, FileNotFoundError) as e:
+        ap.error(str(e))
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     print(f"load at start: {load()}", flush=True)
+    # SIGINT too: a shell that starts this in the background (no job control) leaves SIGINT ignored
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the finallys below end what was started
+        signal.signal(sig, interrupted)
     if args.url:
         KEYS.update(admin=args.admin_key, api=args.api_key)
+        if args.litellm and not (args.serve_url and args.provider_url):
+            ap.error("--url with --litellm needs --serve-url and --provider-url")
         before = admin(args.url, "GET", "/admin/state")["models"][MODEL]
+        proxy = None
         try:
-            run(args, args.url)
-        finally:  # the fleet as it was (the policy: predictive, the default)
+            proxy, arms = start_litellm(args, args.serve_url, args.provider_url, dict(os.environ)) if args.litellm \
+                else (None, {})
+            run(args, args.url, arms)
+        finally:  # the fleet as it was (the policy: predictive, the default), the proxy stopped
+            if proxy is not None:
+                proxy.stop()
             admin(args.url, "POST", "/admin/overflow", {"model": MODEL, "mode": before["mode"],
                                                         "threshold_ms": before["threshold_ms"],
                                                         "policy": "predictive"})
@@ -376,7 +246,7 @@ providers:
 models:
   - name: {MODEL}
     source: builtin:smollm2
-    engine: {{max_model_len: 4096, cpu_kvcache_space_gib: 1, max_num_seqs: {args.max_num_seqs}}}
+    engine: {{max_model_len: {args.max_model_len}, cpu_kvcache_space_gib: 1, max_num_seqs: {args.max_num_seqs}}}
     deployment: {{max_ongoing_requests: {args.max_num_seqs}, request_timeout_s: 600}}
     cost: {{node_hour_usd: 0.10}}
     overflow: {{threshold_ms: {args.threshold_ms}, miss_quantile: {json.dumps(args.miss_quantile)}}}
@@ -393,9 +263,7 @@ models:
     url = f"http://127.0.0.1:{gport}"
     print(f"client and fake provider (outside the fleet): {autogroup_nice('self', args.outside_nice)}, "
           f"{autogroup_nice(procs[0].pid, args.outside_nice)}", flush=True)
-    # SIGINT too: a shell that starts this in the background (no job control) leaves SIGINT ignored
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the finally below ends what was started
-        signal.signal(sig, interrupted)
+    proxy = None
     try:
         t_start = time.monotonic()
         wait_ready(f"{url}/ready", 1800, procs)
@@ -404,13 +272,17 @@ models:
             while True:
                 signal.pause()
         else:
-            run(args, url)
+            proxy, arms = start_litellm(args, f"http://127.0.0.1:{sport}/{MODEL}/v1", f"http://127.0.0.1:{pport}/v1",
+                                        env) if args.litellm else (None, {})
+            run(args, url, arms)
     except KeyboardInterrupt as e:
         print(f"interrupted ({e}): stopping the fleet", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second signal does not cut the cleanup short
             signal.signal(sig, signal.SIG_IGN)
+        if proxy is not None:
+            proxy.stop()
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGINT)
@@ -425,56 +297,104 @@ def interrupted(signum, _frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run(args: argparse.Namespace, url: str) -> None:
-    """Calibrate, replay the trace per policy and round, and report (module docstring)."""
+def start_litellm(args: argparse.Namespace, serve_base: str, provider_base: str,
+                  env: dict) -> tuple[LiteLLMProxy, dict[str, Endpoint]]:
+    """The real LiteLLM proxy, one model group per ``--litellm-timeouts-ms``, at the client's and the provider's CPU
+    treatment (it stands for a node of its own); the arms' endpoints by name. The caller stops it."""
+    cfg = litellm_config(MODEL, serve_base, provider_base, "smollm2-remote", "BENCH_PROVIDER_KEY",
+                         [t / 1000 for t in args.litellm_timeouts_ms])
+    key = f"sk-litellm-{random.randrange(1 << 60):x}"
+    proxy = LiteLLMProxy(litellm_bin(REPO), cfg, free_port(), key, args.out / "litellm",
+                         {**env, "BENCH_PROVIDER_KEY": env.get("BENCH_PROVIDER_KEY", PKEY)})
+    try:
+        took = proxy.start()
+    except BaseException:
+        proxy.stop()
+        raise
+    print(f"LiteLLM proxy {proxy.version()} ready after {took:.0f} s at {proxy.base_url} (pid "
+          f"{proxy.proc.pid}): {autogroup_nice(proxy.proc.pid, args.outside_nice)}", flush=True)
+    return proxy, {f"litellm {t:.0f}ms": Endpoint(proxy.base_url, arm_model(MODEL, t / 1000), key, provider_base)
+                   for t in args.litellm_timeouts_ms}
+
+
+def workload(args: argparse.Namespace, capacity_rps: float | None) -> tuple[list[TraceRequest], dict]:
+    """The trace to replay (``--shape`` or ``--trace``) at ``capacity_rps`` and its description for the report;
+    with ``capacity_rps`` None, the same requests unpaced (for measuring the capacity on their mix)."""
+    if args.trace is None:
+        trace, shape = shape_trace(args.shape, capacity_rps or 1.0, args.duration, args.seed + (capacity_rps is None),
+                                   short=args.smoke)
+        return trace, {"kind": "shape", "describe": shape.describe(), **asdict(shape)}
+    spec = parse_replay(args.trace, default_path=DEFAULT_TRACE)
+    if spec.duration_s is None and spec.requests is None:
+        spec = replace(spec, requests=12 if args.smoke else 250)
+    if spec.load is None and spec.rate_rps is None and spec.speed is None:
+        spec = replace(spec, load=1.3)
+    if capacity_rps is None:
+        spec = replace(spec, load=None, speed=1.0)
+    if spec.path not in TRACES:
+        TRACES[spec.path] = read_trace_file(spec.path)
+    r = replay_trace(spec, TRACES[spec.path], capacity_rps=capacity_rps,
+                     max_model_len=args.max_model_len - CONTEXT_MARGIN)
+    return r.requests, {"kind": "trace", "describe": r.describe(), **r.header()}
+
+
+TRACES: dict[Path, list] = {}  # each trace file read once
+
+
+def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None = None) -> None:
+    """Calibrate, replay the trace per policy (and LiteLLM arm) and round, and report (module docstring)."""
     out: Path = args.out
     slo_s = args.threshold_ms / 1000
     price = ProviderPrice(input_per_1m=args.price_in, output_per_1m=args.price_out)
-    shape = dict(duration_s=args.duration, burst_s=8.0, burst_every_s=45.0) if not args.smoke else \
-        dict(duration_s=args.duration, burst_s=2.0, burst_every_s=12.0, long_prompt=(200, 600))
-    cal = bursty_trace(TraceSpec(capacity_rps=1.0, **shape), args.seed + 1)
+    gateway = Endpoint(url, MODEL, KEYS["api"])
+    litellm = litellm or {}
+    cal, _ = workload(args, None)
     set_policy(url, LOCAL_ONLY, args.threshold_ms, args.hedge_after_ms, args.ttft_timeout_ms)
     cap = args.capacity_rps
     if cap is None:
         # a fresh CPU engine answers its first minute or two of load 2-3x slower: measured then, the capacity
         # is too low and the trace too light for the warm engine
-        asyncio.run(closed_loop(url, cal, args.max_num_seqs, 2 if args.smoke else args.warmup_s, args.seed, True))
-        cap = asyncio.run(closed_loop(url, cal, args.max_num_seqs, 5 if args.smoke else 30, args.seed, True))
-    spec = TraceSpec(capacity_rps=cap, **shape)
-    trace = bursty_trace(spec, args.seed)
-    print(f"capacity {cap:.2f} req/s; trace: {len(trace)} requests over {args.duration:.0f} s "
-          f"(mean {spec.mean_load}x, bursts {spec.burst_load}x, burstiness {spec.burstiness}), seed {args.seed}",
-          flush=True)
+        asyncio.run(closed_loop(gateway, cal, args.max_num_seqs, 2 if args.smoke else args.warmup_s, args.seed, True))
+        cap = asyncio.run(closed_loop(gateway, cal, args.max_num_seqs, 5 if args.smoke else 30, args.seed, True))
+    trace, info = workload(args, cap)
+    print(f"capacity {cap:.2f} req/s; {len(trace)} requests over {trace[-1].arrival_s if trace else 0:.0f} s, seed "
+          f"{args.seed}; " + "\n".join(header_lines(info)), flush=True)
     if not args.smoke:
         # the engine's first bursts of simultaneous prefills run several times slower than later ones (the first
         # policy replayed would pay for it): one replay of the trace, local only and not counted, first
         t = time.monotonic()
-        asyncio.run(replay(url, trace, args.seed, ignore_eos=True, salt=0))
+        asyncio.run(replay(gateway, trace, args.seed, ignore_eos=True, salt=0))
         print(f"warm-up replay of the trace (local only, not counted): {time.monotonic() - t:.0f} s", flush=True)
-    runs: dict[str, list[Outcome]] = {p: [] for p in args.policies}
-    spend: dict[str, float] = {p: 0.0 for p in args.policies}
+    arms = [*args.policies, *litellm]
+    runs: dict[str, list[Outcome]] = {p: [] for p in arms}
+    spend: dict[str, float] = {p: 0.0 for p in arms}
     estimates: dict[str, list[dict]] = {p: [] for p in args.policies}
     salt = 0  # one per replay: fresh prompt text every time (prompt_text)
     for rnd in range(args.rounds):
-        order = args.policies if rnd % 2 == 0 else list(reversed(args.policies))
+        order = arms if rnd % 2 == 0 else list(reversed(arms))
         for name in order:
-            set_policy(url, name, args.threshold_ms, args.hedge_after_ms, args.ttft_timeout_ms)
+            # LiteLLM reaches the engine on Serve's port, past the gateway: the gateway keeps it to itself
+            set_policy(url, LOCAL_ONLY if name in litellm else name, args.threshold_ms, args.hedge_after_ms,
+                       args.ttft_timeout_ms)
             time.sleep(3)
             since = time.time()
             salt += 1
-            res = asyncio.run(replay(url, trace, args.seed, ignore_eos=True, salt=salt))
-            time.sleep(2)  # the last ledger rows
-            until = time.time()
-            spend[name] += provider_spend_usd(url, since - 1, until)
-            e = estimate_error_of(url, since - 1, until)
-            if e is not None:
-                estimates[name].append({"round": rnd + 1, **e})
+            res = asyncio.run(replay(litellm.get(name, gateway), trace, args.seed, ignore_eos=True, salt=salt))
+            if name in litellm:  # no ledger behind LiteLLM: the provider's bill from its usage
+                spend[name] += provider_bill_usd(res, price)
+            else:
+                time.sleep(2)  # the last ledger rows
+                until = time.time()
+                spend[name] += provider_spend_usd(url, since - 1, until)
+                e = estimate_error_of(url, since - 1, until)
+                if e is not None:
+                    estimates[name].append({"round": rnd + 1, **e})
             runs[name] += res
             r = summarize(res, slo_s, 0.0)
             print(f"round {rnd + 1} {name:12s} SLO {r['slo_attainment']:.1%}  TTFT p50/p99 "
                   f"{r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms  external {r['external_share']:.0%}  "
                   f"errors {r['errors']}", flush=True)
-    results = {name: summarize(runs[name], slo_s, spend[name]) for name in args.policies}
+    results = {name: summarize(runs[name], slo_s, spend[name]) for name in arms}
     oracle = None
     if LOCAL_ONLY in runs:
         try:
@@ -486,11 +406,21 @@ def run(args: argparse.Namespace, url: str) -> None:
         except ValueError as e:
             print(f"oracle: not computed ({e})", flush=True)
     print(f"\nload at end: {load()}")
+    print("\n" + "\n".join(header_lines(info)))
     print(f"\nthreshold {args.threshold_ms:.0f} ms, hedge_after {args.hedge_after_ms:.0f} ms, ttft_timeout "
           f"{args.ttft_timeout_ms:.0f} ms, miss_quantile {args.miss_quantile}, {args.rounds} round(s), "
           f"provider $ {args.price_in}/{args.price_out} "
           "per 1M in/out\n")
     print(table(results, oracle["spend_usd"] if oracle else None))
+    for name, ep in litellm.items():
+        print(f"{name}: the real LiteLLM proxy (stream_timeout {ep.model.rsplit('-', 1)[-1]}, fallbacks to the "
+              "same provider, num_retries 0), straight to Serve's endpoint; spend from the provider's usage")
+    same = next((n for n in litellm if n == f"litellm {args.ttft_timeout_ms:.0f}ms"), None)
+    if same and "ttft_timeout" in results:
+        a, b = results["ttft_timeout"], results[same]
+        print(f"lmfleet ttft_timeout vs LiteLLM at the same {args.ttft_timeout_ms:.0f} ms: SLO "
+              f"{a['slo_attainment']:.1%} vs {b['slo_attainment']:.1%}, TTFT P99 {a['ttft_p99_ms']:.0f} vs "
+              f"{b['ttft_p99_ms']:.0f} ms, errors {a['errors']} vs {b['errors']}")
     if oracle:
         print(f"\noracle: spills {oracle['spilled']} of {oracle['of']} requests per round, "
               f"${oracle['spend_usd']:.5f} over {args.rounds} round(s); local model {oracle['model']}")
@@ -502,12 +432,13 @@ def run(args: argparse.Namespace, url: str) -> None:
         if pooled[name] is not None:
             print(estimate_line(name, f"rounds 1-{args.rounds} pooled (client's TTFT)", pooled[name]))
     summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "capacity_rps": cap,
-               "trace": asdict(spec), "requests_per_round": len(trace), "seed": args.seed,
+               "trace": info, "requests_per_round": len(trace), "seed": args.seed,
                "threshold_ms": args.threshold_ms, "hedge_after_ms": args.hedge_after_ms,
                "ttft_timeout_ms": args.ttft_timeout_ms, "miss_quantile": args.miss_quantile, "rounds": args.rounds,
                "results": results,
                "outside_nice": args.outside_nice, "oracle": oracle, "estimate": estimates,
-               "estimate_pooled_client": pooled}
+               "estimate_pooled_client": pooled,
+               "litellm": {name: {"model": ep.model, "url": ep.url} for name, ep in litellm.items()} or None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (out / "outcomes.jsonl").write_text("".join(
         json.dumps({"policy": k, **asdict(o)}) + "\n" for k, v in runs.items() for o in v))

@@ -103,3 +103,60 @@ def test_table_lists_every_policy(bench):
     lines = text.splitlines()
     assert len(lines) == 4 and lines[1].count("---") == lines[0].count("|") - 1
     assert "| predictive |" in lines[2] and "n/a" in lines[2]
+
+
+def args_for(bench, **kw):
+    import argparse
+
+    base = dict(trace=None, shape="gamma", duration=90.0, seed=1, smoke=False, max_model_len=4096)
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("smoke,spec", [
+    (False, dict(duration_s=90.0, burst_s=8.0, burst_every_s=45.0)),
+    (True, dict(duration_s=8.0, burst_s=2.0, burst_every_s=12.0, long_prompt=(200, 600))),
+])
+def test_the_default_workload_is_the_bursty_trace(bench, smoke, spec):
+    from lmfleet.bench.trace import TraceSpec, bursty_trace
+
+    a = args_for(bench, smoke=smoke, duration=spec["duration_s"])
+    trace, info = bench.workload(a, 0.8)
+    assert trace == bursty_trace(TraceSpec(capacity_rps=0.8, **spec), 1)
+    assert bench.workload(a, None)[0] == bursty_trace(TraceSpec(capacity_rps=1.0, **spec), 2)  # calibration
+    assert info["kind"] == "shape" and info["name"] == "gamma" and "burst_load 3.5" in info["describe"]
+
+
+EXCERPT = ROOT / "tests" / "unit" / "data" / "azure_trace" / "AzureLLMInferenceTrace_code_excerpt.csv"
+
+
+@pytest.mark.parametrize("option,smoke,n,load", [("", False, 20, 1.3), ("", True, 12, 1.3),
+                                                 (":requests=5:load=2", False, 5, 2.0)])
+def test_a_trace_replay_defaults_to_a_window_and_a_load(bench, option, smoke, n, load):
+    a = args_for(bench, trace=f"azure:{EXCERPT}{option}", smoke=smoke)
+    trace, info = bench.workload(a, 0.5)
+    assert len(trace) == n and info["kind"] == "trace" and info["load"] == load
+    assert info["mean_rps"] == pytest.approx(load * 0.5) and "CC-BY 4.0" in info["attribution"]
+    assert info["max_model_len"] == 4096 - bench.CONTEXT_MARGIN
+    cal, cal_info = bench.workload(a, None)  # calibration: the same requests, unpaced
+    assert [r.prompt_tokens for r in cal] == [r.prompt_tokens for r in trace] and cal_info["time_factor"] == 1.0
+
+
+def test_a_bad_trace_fails_before_the_fleet_starts(bench, tmp_path):
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_overflow_policies.py"), "--trace",
+                           f"azure:{tmp_path / 'none.csv'}", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "does not exist" in done.stderr and "fleet" not in done.stdout
+
+
+@pytest.mark.parametrize("shape", ["onoff", "ramp", "prefill", "output"])
+@pytest.mark.parametrize("smoke", [False, True])
+def test_every_shape_builds_a_trace_and_names_its_knobs(bench, shape, smoke):
+    import json
+
+    a = args_for(bench, shape=shape, smoke=smoke, duration=8.0 if smoke else 90.0)
+    trace, info = bench.workload(a, 2.0)
+    assert trace and all(r.prompt_tokens + r.output_tokens <= 4096 for r in trace)
+    assert info["name"] == shape and info["params"] and shape in info["describe"]
+    json.dumps(info)  # summary.json

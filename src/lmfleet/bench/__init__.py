@@ -1,8 +1,10 @@
 """``lmfleet bench``: load generation, statistics and reports for OpenAI-compatible endpoints.
 
-Layout: ``workload`` (mixes, prompt synthesis), ``loadgen`` (sending and timing), ``metrics`` (pure
-statistics), ``cost`` (prices and the gateway ledger), ``report``/``html`` (outputs), ``sweep``, and
-``runner`` (one run end to end).
+Layout: ``mix`` (workload mixes and their parsing), ``prompts`` (requests with synthesised prompts from a mix, a
+dataset or a trace; ``workload`` names both), ``trace``, ``shapes`` and ``replay`` (timed traces: synthetic shapes,
+replays of recorded traffic), ``loadgen`` (sending and timing), ``metrics`` (pure statistics), ``cost`` (prices and
+the gateway ledger), ``report``/``html`` (outputs), ``sweep``, ``runner`` (one run end to end), and
+``overflow_figures`` (the overflow-policies benchmark's figures).
 """
 
 from lmfleet.bench.loadgen import LoadPlan, RequestRecord, Target, run_load

@@ -8,7 +8,8 @@ usage event and ``[DONE]`` do not count). Output tokens come from ``usage.comple
 
 Two load models: closed loop (``users`` virtual users, each sends, waits for the answer, thinks,
 repeats; optional linear ramp-up) and open loop (arrivals at ``rate`` req/s with gamma-distributed
-gaps: burstiness 1 = Poisson, < 1 burstier, > 1 more regular — the same as vLLM's ``--burstiness``).
+gaps: burstiness 1 = Poisson, < 1 burstier, > 1 more regular — the same as vLLM's ``--burstiness``; or, for a
+replayed trace, at the recorded times ``arrivals``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class LoadPlan:
     max_concurrency: int | None = None
     seed: int = 0
     timeout: float = 600.0
+    arrivals: tuple[float, ...] | None = None
+    """Open loop: request i at ``arrivals[i]`` seconds (a replayed trace) instead of gamma gaps at ``rate``."""
 
 
 @dataclass
@@ -203,6 +206,16 @@ def arrival_gaps(rate: float, burstiness: float, rng: random.Random):
         yield rng.gammavariate(burstiness, theta)
 
 
+def trace_gaps(arrivals: Sequence[float]):
+    """The gaps of recorded arrivals (the first from 0), then 0s (the plan stops after the last)."""
+    last = 0.0
+    for t in arrivals:
+        yield max(0.0, t - last)
+        last = t
+    while True:
+        yield 0.0
+
+
 async def run_load(target: Target, requests: Sequence[BenchRequest], plan: LoadPlan,
                    stats: LiveStats | None = None, stream: bool = True,
                    on_record: Callable[[RequestRecord], None] | None = None) -> tuple[list[RequestRecord], float]:
@@ -267,8 +280,11 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], plan: LoadP
         else:
             sem = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
             tasks: set[asyncio.Task] = set()
-            gaps = arrival_gaps(plan.rate, plan.burstiness, rng)
+            gaps = arrival_gaps(plan.rate, plan.burstiness, rng) if plan.arrivals is None else trace_gaps(plan.arrivals)
             next_t = time.perf_counter()
+            if plan.arrivals:  # the first request at its own time
+                next_t += next(gaps)
+                await asyncio.sleep(max(0.0, next_t - time.perf_counter()))
 
             async def limited(item: tuple[int, BenchRequest]) -> None:
                 await order.wait(*item)  # before taking a slot: the previous turn may need one
@@ -283,7 +299,7 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], plan: LoadP
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 gap = next(gaps)
-                if plan.ramp_up:  # linear ramp of the rate from 5% to 100% over ramp_up seconds
+                if plan.ramp_up and plan.arrivals is None:  # linear ramp of the rate from 5% to 100% over ramp_up s
                     gap /= min(1.0, max(0.05, (time.perf_counter() - t0) / plan.ramp_up))
                 next_t += gap
                 delay = next_t - time.perf_counter()

@@ -22,9 +22,10 @@ from lmfleet.bench.cost import Price, fetch_usage
 from lmfleet.bench.html import write_html
 from lmfleet.bench.loadgen import LiveStats, LoadPlan, RequestRecord, Target, run_load
 from lmfleet.bench.metrics import SLO, percentile
+from lmfleet.bench.replay import Replay, ReplaySpec, read_trace_file, replay
 from lmfleet.bench.report import build_report, write_csv, write_json
 from lmfleet.bench.workload import (BenchInputError, BenchRequest, PromptSynthesizer, WorkloadMix, check_context,
-                                    load_dataset, sample_requests)
+                                    load_dataset, sample_requests, trace_requests)
 from lmfleet.models import BUILTIN_MODELS, resolve_source
 from lmfleet.models.tokenizer import TokenizerLoadError, load_tokenizer
 
@@ -49,6 +50,8 @@ class BenchSpec:
     admin_key: str | None = None
     use_ledger: bool = True
     extra_body: dict | None = None
+    trace: ReplaySpec | None = None
+    """Replay this trace (its window, pace and token factor) instead of --mix; ``plan.arrivals`` holds its times."""
 
 
 @dataclass
@@ -110,7 +113,16 @@ def load_bench_tokenizer(path: str, *, trust_remote_code: bool = False) -> Any:
         raise BenchInputError(f"cannot load tokenizer {path!r}: {e.__cause__ or e}") from None
 
 
+def plan_trace(spec: ReplaySpec, max_model_len: int | None = None) -> Replay:
+    """The replay of ``spec`` (its token counts capped by ``max_model_len`` if known)."""
+    return replay(spec, read_trace_file(spec.path), max_model_len=max_model_len)
+
+
 def build_requests(spec: BenchSpec, tokenizer: Any, info: TargetInfo) -> list[BenchRequest]:
+    if spec.trace is not None:  # one request per recorded one, in order: no pool
+        r = plan_trace(spec.trace, info.max_model_len or _tokenizer_context(tokenizer))
+        return trace_requests(r.requests, PromptSynthesizer(tokenizer), spec.dataset_api, spec.plan.seed,
+                              ignore_eos=bool((spec.extra_body or {}).get("ignore_eos")))
     # request i is pool[i % len(pool)]: a bounded pool keeps synthesis time small for long runs
     n = min(spec.plan.num_requests or 2000, 2000)
     if spec.dataset or spec.mix is None:
@@ -128,7 +140,7 @@ def prepare(spec: BenchSpec) -> tuple[list[BenchRequest], TargetInfo]:
     info = probe_target(spec.base_url, spec.model, spec.api_key)
     tokenizer = load_bench_tokenizer(resolve_tokenizer_path(spec.tokenizer, spec.model, info),
                                      trust_remote_code=spec.trust_remote_code) \
-        if (spec.mix is not None or spec.tokenizer) else None
+        if (spec.mix is not None or spec.trace is not None or spec.tokenizer) else None
     return build_requests(spec, tokenizer, info), info
 
 
@@ -176,7 +188,7 @@ def run_benchmark(spec: BenchSpec, requests: list[BenchRequest], console: Consol
         "base_url": spec.base_url, "model": spec.model, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                    time.gmtime(started)),
         "wall_s": wall, "load": _describe_plan(spec.plan), "stream": spec.stream,
-        "workload": "dataset " + str(spec.dataset) if spec.dataset else _describe_mix(spec.mix),
+        "workload": _describe_workload(spec),
         "cost_source": "ledger" if ledger else ("prices" if spec.prices else "none"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus", **(meta or {}),
     }
@@ -197,8 +209,15 @@ def _endpoint_label(base_url: str) -> str:
     return base_url.split("://", 1)[-1].rstrip("/")
 
 
+def _describe_workload(spec: BenchSpec) -> str:
+    if spec.trace is not None:
+        return plan_trace(spec.trace).describe() + " (token counts capped by the server's context)"
+    return "dataset " + str(spec.dataset) if spec.dataset else _describe_mix(spec.mix)
+
+
 def _describe_plan(p: LoadPlan) -> str:
     load = (f"closed loop, {p.users} users, think {p.think_time[0]:g}-{p.think_time[1]:g} s" if p.users
+            else f"open loop, the trace's arrivals (mean {p.rate:.3g} req/s)" if p.arrivals
             else f"open loop, {p.rate:g} req/s, burstiness {p.burstiness:g}")
     stop = " ".join(x for x in (f"{p.duration:g} s" if p.duration else "",
                                 f"{p.num_requests} requests" if p.num_requests else "") if x)

@@ -25,7 +25,6 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 __all__ = [
     "Z_99",
@@ -49,7 +48,8 @@ class TraceRequest:
     """Seconds after the trace's start."""
     prompt_tokens: int
     output_tokens: int
-    kind: Literal["chat", "long"]
+    kind: str
+    """Its class: ``chat`` or ``long`` (bursty traces), a shape's class, or ``trace`` (a replay)."""
 
 
 @dataclass(frozen=True)

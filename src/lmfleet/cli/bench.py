@@ -13,8 +13,9 @@ from rich.console import Console
 from lmfleet.bench.cost import parse_price
 from lmfleet.bench.loadgen import LoadPlan
 from lmfleet.bench.metrics import SLO
+from lmfleet.bench.replay import parse_replay
 from lmfleet.bench.report import check_consistency, render_tables
-from lmfleet.bench.runner import BenchSpec, prepare, run_benchmark, write_outputs
+from lmfleet.bench.runner import BenchSpec, plan_trace, prepare, run_benchmark, write_outputs
 from lmfleet.bench.sweep import parse_values, plan_for, run_sweep, set_overflow, write_sweep
 from lmfleet.bench.workload import BenchInputError, load_mix, with_weights
 from lmfleet.cli.common import EXIT_USAGE, fail
@@ -43,7 +44,11 @@ O: dict[str, Any] = {
                                                    "NAME:WEIGHT:IN:OUT[:chat|completion],..."),
     "weight": typer.Option([], "--weight", help="Override a class weight: NAME=W (repeatable)."),
     "dataset": typer.Option(None, "--dataset", help="ShareGPT JSON or JSONL prompts instead of --mix."),
-    "dataset_api": typer.Option("chat", "--dataset-api", help="API for dataset prompts: chat or completion."),
+    "dataset_api": typer.Option("chat", "--dataset-api", help="API for dataset or trace prompts: chat or completion."),
+    "trace": typer.Option(None, "--trace", help="Replay a trace in the Azure format (CSV: TIMESTAMP, ContextTokens, "
+                          "GeneratedTokens) at its recorded times: azure:PATH[:start=S][:duration=D|:requests=N]"
+                          "[:rate=R|:speed=S][:tokens=F] (docs/bench.md). Prompts of the recorded lengths; an open "
+                          "loop instead of --users/--rate."),
     "tokenizer": typer.Option(None, "--tokenizer", help="Tokenizer for prompt synthesis: path, hub id or "
                                                          "builtin:NAME (default: from the server, see docs)."),
     "trust_remote_code": typer.Option(False, "--trust-remote-code",
@@ -90,10 +95,23 @@ def build_spec(url: str, model: str, api_key: Optional[str], users: Optional[int
                warmup: float, max_conc: Optional[int], mix: str, weight: list[str], dataset: Optional[Path],
                dataset_api: str, tokenizer: Optional[str], seed: int, no_stream: bool, ignore_eos: bool,
                slo_ttft: Optional[float], slo_tpot: Optional[float], slo_e2el: Optional[float], price: list[str],
-               no_ledger: bool, timeout: float, *, trust_remote_code: bool = False) -> BenchSpec:
+               no_ledger: bool, timeout: float, *, trust_remote_code: bool = False,
+               trace: Optional[str] = None) -> BenchSpec:
     """Flags -> a checked ``BenchSpec``; every inconsistency is a ``BenchInputError``."""
     if users and rate:
         raise BenchInputError("give --users (closed loop) or --rate (open loop), not both")
+    replay_spec, arrivals = None, None
+    if trace:
+        if users or rate or dataset or weight:
+            raise BenchInputError("--trace sets the requests and their times: drop --users, --rate, --dataset and "
+                                  "--weight")
+        replay_spec = parse_replay(trace)
+        if replay_spec.load is not None:
+            raise BenchInputError("--trace load= is a multiple of a measured capacity (bench_overflow_policies.py "
+                                  "measures one); here give rate=R (mean requests/s) or speed=S")
+        replayed = plan_trace(replay_spec)
+        arrivals, rate = tuple(r.arrival_s for r in replayed.requests), replayed.mean_rps
+        requests = min(requests or len(arrivals), len(arrivals))
     if dataset_api not in ("chat", "completion"):
         raise BenchInputError(f"--dataset-api {dataset_api!r}: expected chat or completion")
     if duration is None and requests is None:
@@ -102,15 +120,15 @@ def build_spec(url: str, model: str, api_key: Optional[str], users: Optional[int
         raise BenchInputError(f"--warmup {warmup:g} s must be shorter than --duration {duration:g} s")
     plan = LoadPlan(users=None if rate else (users or 8), rate=rate, burstiness=burstiness, think_time=_think(think),
                     ramp_up=ramp_up, duration=duration, num_requests=requests, warmup=warmup,
-                    max_concurrency=max_conc, seed=seed, timeout=timeout)
-    workload = None if dataset else with_weights(load_mix(mix), _weights(weight))
+                    max_concurrency=max_conc, seed=seed, timeout=timeout, arrivals=arrivals)
+    workload = None if dataset or trace else with_weights(load_mix(mix), _weights(weight))
     if dataset and weight:
         raise BenchInputError("--weight applies to --mix classes, not to --dataset")
     return BenchSpec(base_url=url, model=model, plan=plan, mix=workload, dataset=dataset, dataset_api=dataset_api,
                      tokenizer=tokenizer, trust_remote_code=trust_remote_code, api_key=api_key, stream=not no_stream,
                      slo=SLO(slo_ttft, slo_tpot, slo_e2el), prices=dict(parse_price(p) for p in price),
                      admin_key=os.environ.get("LMFLEET_ADMIN_KEY"), use_ledger=not no_ledger,
-                     extra_body={"ignore_eos": True} if ignore_eos else None)
+                     extra_body={"ignore_eos": True} if ignore_eos else None, trace=replay_spec)
 
 
 @app.command("run")
@@ -120,6 +138,7 @@ def run(url: str = O["url"], model: str = O["model"], api_key: Optional[str] = O
         requests: Optional[int] = O["requests"], warmup: float = O["warmup"],
         max_concurrency: Optional[int] = O["max_conc"], mix: str = O["mix"], weight: list[str] = O["weight"],
         dataset: Optional[Path] = O["dataset"], dataset_api: str = O["dataset_api"],
+        trace: Optional[str] = O["trace"],
         tokenizer: Optional[str] = O["tokenizer"], trust_remote_code: bool = O["trust_remote_code"],
         seed: int = O["seed"], no_stream: bool = O["no_stream"],
         ignore_eos: bool = O["ignore_eos"], slo_ttft_ms: Optional[float] = O["slo_ttft"],
@@ -132,7 +151,7 @@ def run(url: str = O["url"], model: str = O["model"], api_key: Optional[str] = O
         spec = build_spec(url, model, api_key, users, rate, burstiness, think_time, ramp_up, duration, requests,
                           warmup, max_concurrency, mix, weight, dataset, dataset_api, tokenizer, seed, no_stream,
                           ignore_eos, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms, price, no_ledger, timeout,
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, trace=trace)
         pool, _ = prepare(spec)
     except BenchInputError as e:
         fail(str(e), EXIT_USAGE)

@@ -1,0 +1,140 @@
+"""The overflow-policies benchmark's figures (``benchmarks/bench_overflow_policies.py``): what the client saw of
+each replayed request (:class:`Outcome`), and per policy or proxy the SLO attainment, TTFT percentiles, spend,
+prompts sent twice, the estimate's error and the oracle's inputs. Pure: no I/O.
+
+An arm is a policy of lmfleet's gateway, or the real LiteLLM proxy at one ``stream_timeout``
+(:mod:`lmfleet.testing.litellm_proxy`), whose fallbacks carry the route reason :data:`LITELLM_FALLBACK`: the
+prompt went to the engine, waited past the timeout and was sent again to the provider.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from lmfleet.config.models import ProviderPrice
+from lmfleet.overflow.estimate_error import estimate_error, percentile
+from lmfleet.overflow.oracle import ServiceSample
+from lmfleet.provenance import is_external
+
+__all__ = ["LITELLM_FALLBACK", "Outcome", "estimate_line", "pooled_estimate", "header_lines", "provider_bill_usd",
+           "service_samples", "summarize", "table"]
+
+LITELLM_FALLBACK = "litellm_fallback"
+"""The route reason of a request the LiteLLM proxy answered from its fallback (the provider)."""
+
+
+@dataclass
+class Outcome:
+    """One replayed request, as the client saw it."""
+
+    index: int
+    prompt_tokens: int
+    output_tokens: int
+    sent_s: float
+    """Seconds after the run's start when it was sent (its arrival)."""
+    ttft_s: float | None
+    e2e_s: float | None
+    status: int
+    served_by: str = ""
+    route_reason: str = ""
+    hedged: bool = False
+    estimate_ms: float | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error and self.ttft_s is not None
+
+    @property
+    def external(self) -> bool:
+        return is_external(self.served_by) if self.served_by else False
+
+    @property
+    def both_sent(self) -> bool:
+        """The prompt went to the local engine and to a provider."""
+        return self.hedged or self.route_reason in ("ttft_timeout", LITELLM_FALLBACK)
+
+    @property
+    def after_cancel(self) -> bool:
+        """Answered by a provider after the local attempt was cancelled."""
+        return self.route_reason in ("ttft_timeout", "hedge_won", LITELLM_FALLBACK)
+
+
+def summarize(outcomes: list[Outcome], slo_s: float, spend_usd: float) -> dict:
+    """One arm's figures (rounds pooled); the benchmark's docstring says what each means."""
+    n = len(outcomes)
+    ok = [o for o in outcomes if o.ok]
+    ttfts = [o.ttft_s * 1000 for o in ok]  # type: ignore[operator]
+    tokens = sum(o.prompt_tokens + o.output_tokens for o in ok)
+    prompt = sum(o.prompt_tokens for o in outcomes)
+    twice = sum(o.prompt_tokens for o in outcomes if o.both_sent)
+    return {
+        "requests": n, "errors": n - len(ok),
+        "slo_attainment": sum(1 for t in ttfts if t <= slo_s * 1000) / n if n else 0.0,
+        "ttft_p50_ms": percentile(ttfts, 50), "ttft_p95_ms": percentile(ttfts, 95),
+        "ttft_p99_ms": percentile(ttfts, 99),
+        "kept_local_ttft_p99_ms": percentile([o.ttft_s * 1000 for o in ok if not o.external], 99),  # type: ignore[operator]
+        "external_share": sum(1 for o in ok if o.external) / len(ok) if ok else 0.0,
+        "spend_usd": spend_usd, "usd_per_1m_tokens": spend_usd / tokens * 1e6 if tokens else None,
+        "prompt_tokens": prompt, "prompt_tokens_sent_twice": twice,
+        "sent_twice_share": twice / prompt if prompt else 0.0,
+        "answered_after_cancel": sum(1 for o in ok if o.after_cancel),
+        "hedged": sum(1 for o in outcomes if o.hedged),
+    }
+
+
+def pooled_estimate(outcomes: list[Outcome], threshold_ms: float, model: str = "smollm2") -> dict | None:
+    """The estimate's error over every round of one policy, client-measured: the ``x-lmfleet-queue-estimate-ms``
+    header against the client's TTFT, of the requests answered locally (None: none). The per-round figures come
+    from the ledger (the gateway's TTFT); the client's adds its own few milliseconds."""
+    pairs = [(o.estimate_ms, o.ttft_s * 1000) for o in outcomes  # type: ignore[operator]
+             if o.ok and not o.external and o.estimate_ms is not None]
+    return estimate_error(model, pairs).as_dict(threshold_ms) if pairs else None
+
+
+def service_samples(outcomes: list[Outcome], slots: int) -> list[ServiceSample]:
+    """The oracle's inputs from a ``local only`` run: a request queued when ``slots`` earlier ones still ran."""
+    done = sorted((o for o in outcomes if o.ok and o.e2e_s is not None), key=lambda o: o.sent_s)
+    out = []
+    for i, o in enumerate(done):
+        running = sum(1 for p in done[:i] if p.sent_s + p.e2e_s > o.sent_s)  # type: ignore[operator]
+        out.append(ServiceSample(o.prompt_tokens, o.output_tokens, o.ttft_s, o.e2e_s, running >= slots))  # type: ignore[arg-type]
+    return out
+
+
+def table(results: dict[str, dict], oracle_usd: float | None) -> str:
+    head = ("| policy | requests | SLO attained | TTFT P50 | P95 | P99 | kept-local P99 | external | $ spent | "
+            "$/1M tok | x oracle $ | prompt tok sent twice | answered after cancel | errors |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, r in results.items():
+        ratio = (f"{r['spend_usd'] / oracle_usd:.2f}" if oracle_usd else "n/a")
+        per = f"{r['usd_per_1m_tokens']:.3f}" if r["usd_per_1m_tokens"] is not None else "n/a"
+        lines.append(
+            f"| {name} | {r['requests']} | {r['slo_attainment']:.1%} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} "
+            f"| {r['ttft_p99_ms']:.0f} | {r['kept_local_ttft_p99_ms']:.0f} | {r['external_share']:.0%} | "
+            f"{r['spend_usd']:.5f} | {per} | {ratio} | {r['prompt_tokens_sent_twice']} "
+            f"({r['sent_twice_share']:.1%}) | {r['answered_after_cancel']} | {r['errors']} |")
+    return "\n".join(lines)
+
+
+def estimate_line(name: str, label: str, e: dict) -> str:
+    return (f"  {name:12s} {label}: n={e['requests']} median |err| {e['median_abs_error_ms']:.0f} ms, P90 |err| "
+            f"{e['p90_abs_error_ms']:.0f} ms ({e['p90_abs_error_pct_of_threshold']:.0f} % of threshold), bias "
+            f"{e['bias_ms']:+.0f} ms, median actual/predicted {e['median_actual_over_predicted']}")
+
+
+def provider_bill_usd(outcomes: list[Outcome], price: ProviderPrice) -> float:
+    """What the provider billed for the answers it gave (its usage: prompt and output tokens at its price): the
+    spend of an arm without lmfleet's ledger (LiteLLM). A fallback after a timeout is billed once, by the provider;
+    the engine's cancelled attempt costs nothing extra."""
+    return sum(o.prompt_tokens * price.input_per_1m + o.output_tokens * price.output_per_1m
+               for o in outcomes if o.ok and o.external) / 1e6
+
+
+def header_lines(workload: Mapping[str, object]) -> list[str]:
+    """The workload's description for a report's header: its ``describe`` line, and its attribution if any."""
+    lines = [str(workload.get("describe", ""))]
+    if workload.get("attribution"):
+        lines.append(f"trace credit: {workload['attribution']}")
+    return lines
