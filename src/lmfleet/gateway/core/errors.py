@@ -71,8 +71,9 @@ class UpstreamServerError(UpstreamError):
 
 
 class UpstreamMisconfigured(UpstreamError):
-    """A provider answered 401/403/404: an expired key or a removed model. Never the client's fault, so never
-    relayed to it; another backend may serve."""
+    """A provider answered 401/403/404, or an error its dialect names as the provider's (quota or balance spent):
+    an expired key, a removed model, an account out of credit. Never the client's fault, so never relayed to it;
+    another backend may serve."""
 
 
 class UpstreamRejected(UpstreamError):

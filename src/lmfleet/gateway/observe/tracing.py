@@ -20,6 +20,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from lmfleet.config.redact import redact_url
+
 log = logging.getLogger("lmfleet.gateway")
 
 __all__ = ["RequestTracer", "request_tracer", "traces_url"]
@@ -118,5 +120,6 @@ def request_tracer(cfg: Any) -> RequestTracer | None:
     """The tracer ``observability:`` asks for, or None (tracing off: the default)."""
     if cfg is None or not cfg.otlp_endpoint:
         return None
-    log.info("tracing: OTLP spans to %s (sample ratio %g)", traces_url(cfg.otlp_endpoint), cfg.sample_ratio)
+    log.info("tracing: OTLP spans to %s (sample ratio %g)", redact_url(traces_url(cfg.otlp_endpoint)),
+             cfg.sample_ratio)
     return RequestTracer(cfg.otlp_endpoint, service_name=cfg.service_name, sample_ratio=cfg.sample_ratio)

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from lmfleet.dialects import USAGE_PATHS
-from lmfleet.errors import LmfleetError
+from lmfleet.errors import LmfleetError, openai_error_body
 
 DONE = b"data: [DONE]"
 
@@ -191,5 +191,5 @@ def usage_of(obj: Any, paths: tuple[tuple[str, ...], ...] = USAGE_PATHS) -> tupl
 
 def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
     """An explicit in-stream error (the openai client raises APIError on it), then [DONE]."""
-    body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}})
+    body = json.dumps(openai_error_body(message, type, None, code))
     return f"data: {body}\n\n".encode() + DONE + b"\n\n"

@@ -42,6 +42,7 @@ async def relay_stream(run: RequestRun, st: OpenStream, b: Backend, slot: Any, t
     seen = StreamText() if b is not run.m.local else None
     renamed = st.endpoint.upstream_model != run.req.model or answered not in (None, run.req.model)
     rename = run.req.model if renamed else None
+    usage_marker = st.endpoint.dialect.usage_marker  # what the dialect's usage event carries
     try:
         async with asyncio.timeout(max(0.0, run.remaining())):
             async for block in st.blocks():
@@ -50,7 +51,7 @@ async def relay_stream(run: RequestRun, st: OpenStream, b: Backend, slot: Any, t
                                                              rename, run.req.wants_usage)
                     if failed:
                         status = 502
-                elif b'"usage":' in block:  # the usage event (one per stream): only it is parsed
+                elif usage_marker in block:  # the usage event (one per stream): only it is parsed
                     block, usage = take_usage(block, usage, run.req.wants_usage)
                     n = sse.count_choices(block)
                     done = done or sse.DONE in block
