@@ -10,8 +10,8 @@ the samples of the last ``window_s`` seconds (at most ``max_samples``, the newes
 
 * ``missed`` and ``miss_ratio``: how many, and what share, of the requests kept local waited longer than the
   threshold. Predictive overflow keeps a request local only when its predicted wait (plus the miss margin) is
-  under the threshold, so each miss is a request the estimate should have sent to a provider. Samples recorded
-  without a threshold are left out of both; the ratio is None when no sample has one.
+  under the threshold, so each miss is one the estimate let through (or one no provider could take). Samples
+  recorded without a threshold are left out of both; the ratio is None when no sample has one.
 * ``p90_abs_error_ms``: the P90 of ``|realised - predicted|``, and ``p90_share_of_threshold``: it as a share of
   the newest sample's threshold (the target is <= 0.25).
 * ``count``: the samples the figures rest on; a window without any gives no :class:`Calibration` at all (None),
