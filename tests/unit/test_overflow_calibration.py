@@ -96,3 +96,16 @@ def test_book_per_model_with_threshold_at_the_time_of_the_sample():
 def test_window_settings_are_checked(window_s, max_samples):
     with pytest.raises(ValueError, match="window_s="):
         CalibrationWindow(window_s, max_samples)
+
+
+def test_figures_are_reused_for_refresh_s():
+    clock = Clock(0.0)
+    book = CalibrationBook(60, refresh_s=1.0, clock=clock, threshold_of=lambda m: 1000.0)
+    book.add("m", 100, 100)
+    assert book.summary("m").count == 1
+    book.add("m", 100, 100)
+    clock.t = 0.5
+    assert book.summary("m").count == 1  # within a second of the last computation: the same figures
+    clock.t = 1.0
+    assert book.summary("m").count == 2
+    assert CalibrationBook(60, refresh_s=0, clock=clock).summary("m") is None

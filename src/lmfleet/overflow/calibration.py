@@ -2,7 +2,7 @@
 
     book = CalibrationBook(threshold_of=lambda model: 2500.0)    # window_s: the last 10 minutes
     book.add("m", predicted_ms=800.0, realised_ms=950.0)          # each streamed request kept local: O(1) amortised
-    book.summary("m")                                             # on read: Calibration, or None (empty window)
+    book.summary("m")                # on read, at most once a second: Calibration, or None (empty window)
 
 A sample is one request kept local and answered with a stream: the wait predicted at admission, the wait it had
 (arrival to first streamed token, measured at the gateway) and the model's overflow threshold at that time. Over
@@ -38,6 +38,9 @@ WINDOW_S = 600.0
 a drift shows within the alert's ``for:``."""
 MAX_SAMPLES = 20_000
 """Samples kept per model, the newest: bounds the memory and the cost of a read (one sort) under heavy traffic."""
+REFRESH_S = 1.0
+"""A model's figures are computed at most this often (the /metrics page, /ready's gauge publishing and the
+dashboard all read them): one second's requests barely move a 10-minute window."""
 
 
 class Sample(NamedTuple):
@@ -113,16 +116,18 @@ class CalibrationWindow:
 
 class CalibrationBook:
     """Per model, a :class:`CalibrationWindow`; ``threshold_of(model)`` gives each sample its threshold (None:
-    unknown), ``clock`` its time (monotonic seconds)."""
+    unknown), ``clock`` its time (monotonic seconds); a model's figures are reused for ``refresh_s``."""
 
-    def __init__(self, window_s: float = WINDOW_S, *, max_samples: int = MAX_SAMPLES,
+    def __init__(self, window_s: float = WINDOW_S, *, max_samples: int = MAX_SAMPLES, refresh_s: float = REFRESH_S,
                  threshold_of: Callable[[str], float | None] = lambda model: None,
                  clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s
         self.max_samples = max_samples
+        self.refresh_s = refresh_s
         self.threshold_of = threshold_of
         self.clock = clock
         self._windows: dict[str, CalibrationWindow] = {}
+        self._figures: dict[str, tuple[float, Calibration | None]] = {}
 
     def add(self, model: str, predicted_ms: float, realised_ms: float) -> None:
         """One request kept local whose first token has just come (``model``: a served model's name)."""
@@ -132,9 +137,17 @@ class CalibrationBook:
         w.add(Sample(self.clock(), predicted_ms, realised_ms, self.threshold_of(model)))
 
     def summary(self, model: str) -> Calibration | None:
-        """``model``'s figures now; None when its window holds no sample."""
+        """``model``'s figures now (or up to ``refresh_s`` ago); None when its window holds no sample."""
         w = self._windows.get(model)
-        return None if w is None else calibrate(model, w.samples(self.clock()), self.window_s)
+        if w is None:
+            return None
+        now = self.clock()
+        last = self._figures.get(model)
+        if last is not None and 0 <= now - last[0] < self.refresh_s:
+            return last[1]
+        c = calibrate(model, w.samples(now), self.window_s)
+        self._figures[model] = (now, c)
+        return c
 
     def models(self) -> list[str]:
         """The models that have had a sample since the gateway started."""

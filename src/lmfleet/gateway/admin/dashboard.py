@@ -17,6 +17,8 @@ What the figures are
   ``window`` over the last ``window_s`` (60 s), each plot point over the ``smooth_s`` (10 s) before it. TTFT
   percentiles are interpolated inside the histogram's buckets (as PromQL's ``histogram_quantile``), so they are
   estimates with the buckets' resolution; the local median from the load tracker is exact.
+* The wait estimate's calibration (``estimate_calibration``) is this process's rolling window of the requests it
+  kept local (:mod:`lmfleet.overflow.calibration`), exact, not from histograms.
 * Readings are taken only when the JSON is asked for (nobody watching costs nothing): plots have gaps where
   nobody looked, and a rate across a gap is the average over it.
 * Each gateway process answers with its own view (its counters, its history, its ``pid``): with several workers
@@ -49,6 +51,7 @@ from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.admin.recent_errors import ErrorEntry
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import BudgetStatus
+from lmfleet.overflow.calibration import Calibration
 from lmfleet.provenance import is_external
 
 __all__ = ["SERIES", "BudgetReading", "Counters", "DashboardHistory", "ModelReading", "ProviderReading", "Reading",
@@ -111,6 +114,8 @@ class ModelReading:
     engine_waiting: int | None
     providers: tuple[str, ...]
     counters: Counters = field(default_factory=Counters)
+    calibration: Calibration | None = None
+    """The wait estimate over this process's last minutes of requests kept local (None: none in the window)."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +209,7 @@ def read_gateway(gw: Gateway, budget: BudgetStatus | None, now: float | None = N
             overflowing=m.hysteresis.overflowing, drain_rps=s.drain_rps, local_output_tps=s.output_tps,
             ttft_median_s=s.ttft_s, base_ttft_s=s.base_ttft_s, engine_running=s.engine_running,
             engine_waiting=s.engine_waiting, providers=tuple(p.name for p in m.providers),
-            counters=counters.get(name, Counters()))
+            counters=counters.get(name, Counters()), calibration=gw.recorder.calibration.summary(name))
     providers = tuple(ProviderReading(n, p.breaker.state().value, p.breaker.retry_after_s(), p.in_flight,
                                       p.cfg.max_concurrency, tuple(sorted(served_by.get(n, ()))))
                       for n, p in gw.providers.items())
@@ -287,6 +292,7 @@ def _model_now(m: ModelReading, window: _Rates | None, window_s: float) -> dict[
         "local_output_tps": _r(m.local_output_tps, 1), "ttft_median_ms": _ms(m.ttft_median_s),
         "base_ttft_ms": _ms(m.base_ttft_s), "engine_running": m.engine_running, "engine_waiting": m.engine_waiting,
         "providers": list(m.providers),
+        "estimate_calibration": None if m.calibration is None else m.calibration.as_dict(),
         "window_s": window_s,
         "requests": None if window is None else window.requests,
         "local_share": None if window is None else _r(window.local_share, 3),

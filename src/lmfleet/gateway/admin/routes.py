@@ -61,6 +61,8 @@ def admin_routes(gw: Gateway, cfg: GatewayConfig, tenant_admin: TenantAdmin | No
     r = APIRouter()
     history = DashboardHistory()
     errors = recent_errors()
+    # each calibration sample is judged against the threshold in force when it came (POST /admin/overflow changes it)
+    gw.recorder.calibration.threshold_of = lambda n: gw.models[n].threshold_ms if n in gw.models else None
 
     # ---- routing and spend ----------------------------------------------------------------------
     @r.get("/admin/state")
@@ -81,6 +83,7 @@ def admin_routes(gw: Gateway, cfg: GatewayConfig, tenant_admin: TenantAdmin | No
                 "prefill_ms_per_1k_tokens": (round(s.prefill_s_per_token * 1e6, 1)
                                              if s.prefill_s_per_token is not None else None),
                 "base_prefill_tokens": s.base_prefill_tokens,
+                "estimate_calibration": c.as_dict() if (c := gw.recorder.calibration.summary(n)) else None,
                 **routing_state(gw, n, m.app.cfg.deployment.request_router),
             }
         for n, p in gw.providers.items():
@@ -160,7 +163,7 @@ def admin_routes(gw: Gateway, cfg: GatewayConfig, tenant_admin: TenantAdmin | No
             raise GatewayError(503, f"The ledger cannot be read now: {e}") from None
         if estimate:
             thresholds = {n: m.threshold_ms for n, m in gw.models.items()}
-            errors = estimate_errors(samples_from_rows(raw))
+            errors = estimate_errors(samples_from_rows(raw), thresholds)
             return {"since": since, "until": until, "models": [e.as_dict(thresholds.get(e.model)) for e in errors]}
         if advise:
             hourly = {n: replica_hour_nusd(m.app.cfg, uses_gpus=m.app.device == "gpu") for n, m in gw.models.items()}
