@@ -1,12 +1,13 @@
 """How well the predicted local wait holds now: per model, over a rolling window of the requests kept local. Pure.
 
-    book = CalibrationBook(threshold_of=lambda model: 2500.0)    # window_s: the last 10 minutes
-    book.add("m", predicted_ms=800.0, realised_ms=950.0)          # each streamed request kept local: O(1) amortised
-    book.summary("m")                # on read, at most once a second: Calibration, or None (empty window)
+    book = CalibrationBook(threshold_of=lambda model: 2500.0)   # window_s: the last 10 minutes
+    book.add("m", predicted_ms=800.0, realised_ms=950.0)         # each streamed request kept local: O(1) amortised
+    book.summary("m")           # on read, at most once a second: a Calibration, or None (empty window)
 
 A sample is one request kept local and answered with a stream: the wait predicted at admission, the wait it had
-(arrival to first streamed token, measured at the gateway) and the model's overflow threshold at that time. Over
-the samples of the last ``window_s`` seconds (at most ``max_samples``, the newest), :func:`calibrate` gives:
+(arrival to first streamed token, measured at the gateway) and the model's overflow threshold at that time; a
+local attempt that ended before its first token is not one. Over the samples of the last ``window_s`` seconds
+(at most ``max_samples``, the newest), :func:`calibrate` gives:
 
 * ``missed`` and ``miss_ratio``: how many, and what share, of the requests kept local waited longer than the
   threshold. Predictive overflow keeps a request local only when its predicted wait (plus the miss margin) is
