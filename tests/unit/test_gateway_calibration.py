@@ -5,18 +5,27 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmfleet.gateway.admin.dashboard import BudgetReading, ModelReading, Reading, build_dashboard
-from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.gateway.observe.metrics import GatewayMetrics, SharedMetricsDir
 from lmfleet.overflow.calibration import CalibrationBook
 from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
 
 pytestmark = pytest.mark.usefixtures("close_started_gateways")
+
+REPO = Path(__file__).resolve().parents[2]
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 ADMIN = {"authorization": "Bearer adm"}
@@ -114,3 +123,29 @@ def test_dashboard_json_carries_the_calibration():
                    "threshold_ms": 2000.0, "p90_abs_error_share_of_threshold": 0.2}
     empty = Reading(10.0, {"m": replace(m, calibration=None)}, (), BudgetReading(None, None, None))
     assert build_dashboard(empty, None, {})["models"]["m"]["estimate_calibration"] is None
+
+
+# one gateway process's window: N samples of (predicted, realised) against a 1000 ms threshold
+PROCESS = textwrap.dedent("""
+    import sys
+    from lmfleet.gateway.observe.metrics import GatewayMetrics, SharedMetricsDir
+    from lmfleet.overflow.calibration import CalibrationBook
+    book = CalibrationBook(threshold_of=lambda m: 1000.0)
+    for pair in sys.argv[1:]:
+        book.add("m", *(float(x) for x in pair.split(",")))
+    GatewayMetrics().set_calibration(book)
+""")
+
+
+def test_several_processes_show_the_worst_window_and_every_request():
+    with SharedMetricsDir() as shared:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), **shared.env()}
+        for pairs in (["100,1600"], ["100,100", "100,200", "100,100"]):  # one miss 1500 ms off; three on time
+            p = subprocess.run([sys.executable, "-c", PROCESS, *pairs], env=env, capture_output=True, text=True,
+                               timeout=120)
+            assert p.returncode == 0, p.stderr[-2000:]
+        reg = CollectorRegistry()
+        MultiProcessCollector(reg, shared.path)
+        g = gauges(generate_latest(reg).decode())
+    assert g == {"lmfleet_estimate_local_miss_ratio": 1.0, "lmfleet_estimate_p90_abs_error_ms": 1500.0,
+                 "lmfleet_estimate_p90_abs_error_threshold_ratio": 1.5, "lmfleet_estimate_window_requests": 4.0}
