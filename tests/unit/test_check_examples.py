@@ -17,7 +17,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 FLEET_FILES = sorted(EXAMPLES.glob("*.yaml"))
 MIX_FILES = sorted((EXAMPLES / "bench").glob("*.yaml"))
 KNOWN_FILES = {*FLEET_FILES, *MIX_FILES, EXAMPLES / "grafana" / "lmfleet.json",
-               EXAMPLES / "haproxy" / "lmfleet.cfg"}  # checked by tests/unit/test_serve_gateway_proc.py
+               EXAMPLES / "haproxy" / "lmfleet.cfg",  # checked by tests/unit/test_serve_gateway_proc.py
+               EXAMPLES / "prometheus" / "lmfleet-alerts.yml"}  # checked by tests/unit/test_prometheus_alerts.py
 
 
 def test_every_example_file_is_covered_here():

@@ -82,5 +82,24 @@ def test_report_dict_with_and_without_threshold():
     d = e.as_dict(2500.0)
     assert d == {"model": "m", "requests": 3, "median_abs_error_ms": 300.0, "p90_abs_error_ms": 460.0,
                  "median_abs_error_pct_of_threshold": 12.0, "p90_abs_error_pct_of_threshold": 18.4,
-                 "bias_ms": -300.0, "median_actual_over_predicted": 0.7, "threshold_ms": 2500.0}
+                 "bias_ms": -300.0, "median_actual_over_predicted": 0.7, "threshold_ms": 2500.0,
+                 "missed": None, "missed_pct": None}
     assert e.as_dict()["p90_abs_error_pct_of_threshold"] is None
+
+
+@pytest.mark.parametrize("pairs, threshold_ms, missed, missed_pct", [
+    ([(1000, 500), (1000, 700), (1000, 900)], 800.0, 1, 33.33),
+    ([(1000, 800)], 800.0, 0, 0.0),                 # a wait equal to the threshold is not a miss
+    ([(100, 3000), (100, 2600)], 2500.0, 2, 100.0),
+    ([(100, 3000)], None, None, None),              # no threshold: unknown, not 0
+])
+def test_missed_counts_waits_past_the_threshold(pairs, threshold_ms, missed, missed_pct):
+    e = estimate_error("m", pairs, threshold_ms)
+    assert e.missed == missed
+    assert e.as_dict(threshold_ms)["missed_pct"] == missed_pct
+
+
+def test_estimate_errors_take_each_models_threshold():
+    samples = [EstimateSample("a", 100, 400), EstimateSample("b", 100, 400), EstimateSample("c", 100, 400)]
+    a, b, c = estimate_errors(samples, {"a": 300.0, "b": 500.0})
+    assert (a.missed, b.missed, c.missed) == (1, 0, None)

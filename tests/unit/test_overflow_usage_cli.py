@@ -205,8 +205,13 @@ def test_usage_estimate(tmp_path):
     # errors +500 and -200: median |err| 350, P90 470 (23.5 % of 2000), bias +150, ratios 1.5 and 0.8
     assert row == {"model": "smollm2", "requests": 2, "median_abs_error_ms": 350.0, "p90_abs_error_ms": 470.0,
                    "median_abs_error_pct_of_threshold": 17.5, "p90_abs_error_pct_of_threshold": 23.5,
-                   "bias_ms": 150.0, "median_actual_over_predicted": 1.15, "threshold_ms": 2000.0}
-    table = CliRunner().invoke(app, ["usage", "-c", str(fleet), "--estimate"], env={"COLUMNS": "200"})
-    assert table.exit_code == 0 and "smollm2" in table.output and "3" in table.output
+                   "bias_ms": 150.0, "median_actual_over_predicted": 1.15, "threshold_ms": 2000.0,
+                   "missed": 0, "missed_pct": 0.0}
+    table = CliRunner().invoke(app, ["usage", "-c", str(fleet), "--estimate"], env={"COLUMNS": "250"})
+    # all time: the row of 2 h ago waited 5.1 s, past the 2 s threshold: 1 of 3 missed
+    assert table.exit_code == 0 and "smollm2" in table.output and "all time" in table.output, table.output
+    assert "1 (33.3 %)" in table.output
+    since = CliRunner().invoke(app, ["usage", "-c", str(fleet), "--estimate", "--since", "1h"], env={"COLUMNS": "250"})
+    assert "since " in since.output and "0 (0.0 %)" in since.output, since.output
     both = CliRunner().invoke(app, ["usage", "-c", str(fleet), "--estimate", "--advise"])
     assert both.exit_code == 2 and "choose one" in both.output

@@ -66,9 +66,10 @@ def usage(
                                  "GPUs, or cost.node_hour_usd), and that replica's cost over the window against the "
                                  "overflow's."),
     estimate: bool = typer.Option(False, "--estimate", help="The predicted local wait against the realised one "
-                                  "(streamed requests kept local): per model, requests, median and P90 absolute "
-                                  "error (ms and % of the model's overflow.threshold_ms), bias (median signed error "
-                                  "and median actual/predicted)."),
+                                  "(streamed requests kept local): per model, requests, the share that waited past "
+                                  "the model's overflow.threshold_ms (missed), median and P90 absolute error (ms and "
+                                  "% of the threshold), bias (median signed error and median actual/predicted), over "
+                                  "--since."),
 ) -> None:
     """Show requests, tokens and cost per backend (local model or provider) or per tenant, from the ledger.
 
@@ -100,12 +101,12 @@ def usage(
         fail(f"ledger: {e}", EXIT_USAGE)
     if estimate:
         thresholds = {m.name: m.overflow.threshold_ms for m in fleet.models}
-        errors = estimate_errors(samples_from_rows(raw))
+        errors = estimate_errors(samples_from_rows(raw), thresholds)
         if as_json:
             typer.echo(json.dumps({"ledger": where, "since": start, "until": now,
                                    "models": [e.as_dict(thresholds.get(e.model)) for e in errors]}, indent=2))
             return
-        Console().print(_estimate_table(errors, thresholds, where))
+        Console().print(_estimate_table(errors, thresholds, where, _span(start)))
         return
     if advise_:
         window = (start, now) if start is not None else None
@@ -129,8 +130,11 @@ def usage(
         }
         typer.echo(json.dumps(out, indent=2))
         return
-    span = "all time" if start is None else f"since {datetime.fromtimestamp(start, timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
-    Console().print(_table(rows, total, f"Usage ({span}) — {where}", by))
+    Console().print(_table(rows, total, f"Usage ({_span(start)}) — {where}", by))
+
+
+def _span(start: float | None) -> str:
+    return "all time" if start is None else f"since {datetime.fromtimestamp(start, timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
 
 
 def replica_hours(fleet: FleetConfig) -> dict[str, int]:
@@ -155,17 +159,18 @@ def _advice_table(a: AdviceRow) -> Table:
     return t
 
 
-def _estimate_table(errors: list[EstimateError], thresholds: dict[str, float], where: str) -> Table:
-    t = Table(title=f"Predicted local wait vs realised — {where}",
+def _estimate_table(errors: list[EstimateError], thresholds: dict[str, float], where: str, span: str) -> Table:
+    t = Table(title=f"Predicted local wait vs realised ({span}) — {where}",
               caption=None if errors else "no request kept local with both figures in this window")
     t.add_column("model")
-    for col in ("requests", "median |err| ms", "P90 |err| ms", "P90 % of threshold", "bias ms",
-                "median actual/predicted"):
+    for col in ("requests", "missed (> threshold)", "median |err| ms", "P90 |err| ms", "P90 % of threshold",
+                "bias ms", "median actual/predicted"):
         t.add_column(col, justify="right")
     for e in errors:
         d = e.as_dict(thresholds.get(e.model))
         pct = d["p90_abs_error_pct_of_threshold"]
         ratio = d["median_actual_over_predicted"]
-        t.add_row(e.model, f"{e.count:,}", f"{e.median_abs_error_ms:.0f}", f"{e.p90_abs_error_ms:.0f}",
+        missed = "-" if e.missed is None else f"{e.missed:,} ({d['missed_pct']:.1f} %)"
+        t.add_row(e.model, f"{e.count:,}", missed, f"{e.median_abs_error_ms:.0f}", f"{e.p90_abs_error_ms:.0f}",
                   "-" if pct is None else f"{pct:.0f} %", f"{e.bias_ms:+.0f}", "-" if ratio is None else f"{ratio:.2f}")
     return t

@@ -8,7 +8,9 @@ those pairs, per model:
 * ``median_abs_error_ms`` and ``p90_abs_error_ms``: of ``|actual - predicted|``;
 * ``bias_ms``: the median signed error ``actual - predicted`` (positive: the estimate was too low, requests
   waited longer than predicted, so the route kept local requests it should have spilled);
-* ``median_ratio``: the median of ``actual / predicted`` (1.0 is unbiased; predictions of 0 are left out).
+* ``median_ratio``: the median of ``actual / predicted`` (1.0 is unbiased; predictions of 0 are left out);
+* ``missed``, given the model's overflow threshold: the requests kept local whose actual wait exceeded it (the
+  misses predictive overflow exists to prevent).
 
 Percentiles interpolate linearly between order statistics (numpy's default), so the figures match the
 benchmark reports'.
@@ -44,10 +46,13 @@ class EstimateError:
     """Median of ``actual - predicted``: positive when requests waited longer than predicted."""
     median_ratio: float | None
     """Median of ``actual / predicted`` over predictions above 0; None when there is none."""
+    missed: int | None = None
+    """Requests whose actual wait exceeded the overflow threshold; None when no threshold was given."""
 
     def as_dict(self, threshold_ms: float | None = None) -> dict[str, Any]:
         """The figures, rounded for reports; with ``threshold_ms`` (the model's overflow threshold) also the
-        absolute errors as a percentage of it (``None`` without one)."""
+        absolute errors as a percentage of it (``None`` without one); ``missed_pct``: the share of the requests
+        that waited past the threshold, in percent (``None`` when ``missed`` is)."""
         def pct(ms: float) -> float | None:
             return round(100 * ms / threshold_ms, 1) if threshold_ms else None
 
@@ -58,7 +63,8 @@ class EstimateError:
                 "p90_abs_error_pct_of_threshold": pct(self.p90_abs_error_ms),
                 "bias_ms": round(self.bias_ms, 1),
                 "median_actual_over_predicted": None if self.median_ratio is None else round(self.median_ratio, 3),
-                "threshold_ms": threshold_ms}
+                "threshold_ms": threshold_ms, "missed": self.missed,
+                "missed_pct": None if self.missed is None else round(100 * self.missed / self.count, 2)}
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -74,8 +80,10 @@ def percentile(values: Sequence[float], p: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def estimate_error(model: str, pairs: Sequence[tuple[float, float]]) -> EstimateError:
-    """Statistics of ``(predicted_ms, actual_ms)`` pairs of one model (module docstring)."""
+def estimate_error(model: str, pairs: Sequence[tuple[float, float]],
+                   threshold_ms: float | None = None) -> EstimateError:
+    """Statistics of ``(predicted_ms, actual_ms)`` pairs of one model (module docstring); ``missed`` needs the
+    model's ``threshold_ms``."""
     if not pairs:
         raise ValueError(f"model {model!r}: no (predicted, actual) pairs to measure")
     signed = [actual - predicted for predicted, actual in pairs]
@@ -87,15 +95,19 @@ def estimate_error(model: str, pairs: Sequence[tuple[float, float]]) -> Estimate
         p90_abs_error_ms=percentile([abs(e) for e in signed], 90),
         bias_ms=percentile(signed, 50),
         median_ratio=percentile(ratios, 50) if ratios else None,
+        missed=None if threshold_ms is None else sum(1 for _, actual in pairs if actual > threshold_ms),
     )
 
 
-def estimate_errors(samples: Iterable[EstimateSample]) -> list[EstimateError]:
-    """One :class:`EstimateError` per model that has samples, by model name."""
+def estimate_errors(samples: Iterable[EstimateSample],
+                    thresholds: Mapping[str, float] | None = None) -> list[EstimateError]:
+    """One :class:`EstimateError` per model that has samples, by model name; ``thresholds``: each model's
+    overflow threshold, for ``missed``."""
     by_model: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for s in samples:
         by_model[s.model].append((s.predicted_ms, s.actual_ms))
-    return [estimate_error(m, pairs) for m, pairs in sorted(by_model.items())]
+    thresholds = thresholds or {}
+    return [estimate_error(m, pairs, thresholds.get(m)) for m, pairs in sorted(by_model.items())]
 
 
 def samples_from_rows(rows: Iterable[Mapping[str, Any]]) -> list[EstimateSample]:

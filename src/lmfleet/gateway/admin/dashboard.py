@@ -17,6 +17,8 @@ What the figures are
   ``window`` over the last ``window_s`` (60 s), each plot point over the ``smooth_s`` (10 s) before it. TTFT
   percentiles are interpolated inside the histogram's buckets (as PromQL's ``histogram_quantile``), so they are
   estimates with the buckets' resolution; the local median from the load tracker is exact.
+* The wait estimate's calibration (``estimate_calibration``) is this process's rolling window of the requests it
+  kept local (:mod:`lmfleet.overflow.calibration`), exact, not from histograms.
 * Readings are taken only when the JSON is asked for (nobody watching costs nothing): plots have gaps where
   nobody looked, and a rate across a gap is the average over it.
 * Each gateway process answers with its own view (its counters, its history, its ``pid``): with several workers
@@ -141,6 +143,7 @@ def _model_now(m: ModelReading, window: _Rates | None, window_s: float) -> dict[
         "local_output_tps": _r(m.local_output_tps, 1), "ttft_median_ms": _ms(m.ttft_median_s),
         "base_ttft_ms": _ms(m.base_ttft_s), "engine_running": m.engine_running, "engine_waiting": m.engine_waiting,
         "providers": list(m.providers),
+        "estimate_calibration": None if m.calibration is None else m.calibration.as_dict(),
         "window_s": window_s,
         "requests": None if window is None else window.requests,
         "local_share": None if window is None else _r(window.local_share, 3),

@@ -14,6 +14,7 @@ from typing import Any
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import BudgetStatus
+from lmfleet.overflow.calibration import Calibration
 from lmfleet.provenance import is_external
 
 __all__ = ["BudgetReading", "Counters", "ModelReading", "ProviderReading", "Reading", "read_counters", "read_gateway"]
@@ -66,6 +67,8 @@ class ModelReading:
     engine_waiting: int | None
     providers: tuple[str, ...]
     counters: Counters = field(default_factory=Counters)
+    calibration: Calibration | None = None
+    """The wait estimate over this process's last minutes of requests kept local (None: none in the window)."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ def read_gateway(gw: Gateway, budget: BudgetStatus | None, now: float | None = N
             overflowing=m.hysteresis.overflowing, drain_rps=s.drain_rps, local_output_tps=s.output_tps,
             ttft_median_s=s.ttft_s, base_ttft_s=s.base_ttft_s, engine_running=s.engine_running,
             engine_waiting=s.engine_waiting, providers=tuple(p.name for p in m.providers),
-            counters=counters.get(name, Counters()))
+            counters=counters.get(name, Counters()), calibration=gw.recorder.calibration.summary(name))
     providers = tuple(ProviderReading(n, p.breaker.state().value, p.breaker.retry_after_s(), p.in_flight,
                                       p.cfg.max_concurrency, tuple(sorted(served_by.get(n, ()))))
                       for n, p in gw.providers.items())

@@ -52,6 +52,8 @@ def admin_routes(gw: Gateway, cfg: GatewayConfig, tenant_admin: TenantAdmin | No
     r.include_router(tenant_routes(gw, cfg, tenant_admin, key_files))
     history = DashboardHistory()
     errors = recent_errors()
+    # each calibration sample is judged against the threshold in force when it came (POST /admin/overflow changes it)
+    gw.recorder.calibration.threshold_of = lambda n: gw.models[n].threshold_ms if n in gw.models else None
 
     # ---- dashboard and profiling -------------------------------------------------------------
     @r.get("/admin/dashboard.json")

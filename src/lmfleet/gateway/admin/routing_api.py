@@ -45,6 +45,7 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
                 "prefill_ms_per_1k_tokens": (round(s.prefill_s_per_token * 1e6, 1)
                                              if s.prefill_s_per_token is not None else None),
                 "base_prefill_tokens": s.base_prefill_tokens,
+                "estimate_calibration": c.as_dict() if (c := gw.recorder.calibration.summary(n)) else None,
                 **routing_state(gw, n, m.app.cfg.deployment.request_router),
             }
         for n, p in gw.providers.items():

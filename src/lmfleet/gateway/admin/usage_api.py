@@ -59,7 +59,7 @@ def usage_routes(gw: Gateway) -> APIRouter:
             raise GatewayError(503, f"The ledger cannot be read now: {e}") from None
         if estimate:
             thresholds = {n: m.threshold_ms for n, m in gw.models.items()}
-            errors = estimate_errors(samples_from_rows(raw))
+            errors = estimate_errors(samples_from_rows(raw), thresholds)
             return {"since": since, "until": until, "models": [e.as_dict(thresholds.get(e.model)) for e in errors]}
         if advise:
             hourly = {n: replica_hour_nusd(m.app.cfg, uses_gpus=m.app.device == "gpu") for n, m in gw.models.items()}

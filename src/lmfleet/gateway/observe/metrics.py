@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
+from lmfleet.overflow.calibration import WINDOW_S, CalibrationBook
 from lmfleet.overflow.engine_stats import ReplicaTable, imbalance
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -159,6 +160,20 @@ class GatewayMetrics:
         self.miss_margin = Gauge("lmfleet_overflow_miss_margin_ms", "Margin added to the predicted local wait "
                                  "before it is compared with the overflow threshold (overflow.miss_quantile).",
                                  ["model"], registry=r, multiprocess_mode="livemostrecent")
+        # the estimate's calibration, set when /metrics is read; each process keeps its own window, so with several
+        # the ratios show the worst process's and the request count the node's
+        calib = f"over the last {WINDOW_S / 60:g} minutes' requests kept local and streamed"
+        self.estimate_miss_ratio = Gauge("lmfleet_estimate_local_miss_ratio", "Share of the requests kept local whose "
+                                         f"time to first token exceeded the overflow threshold, {calib} (NaN: none).",
+                                         ["model"], registry=r, multiprocess_mode="livemax")
+        self.estimate_p90_error = Gauge("lmfleet_estimate_p90_abs_error_ms", "P90 of |realised - predicted local "
+                                        f"wait|, {calib} (NaN: none).", ["model"], registry=r,
+                                        multiprocess_mode="livemax")
+        self.estimate_p90_share = Gauge("lmfleet_estimate_p90_abs_error_threshold_ratio", "The P90 absolute error of "
+                                        f"the predicted local wait as a share of the overflow threshold, {calib} (NaN: "
+                                        "none).", ["model"], registry=r, multiprocess_mode="livemax")
+        self.estimate_requests = Gauge("lmfleet_estimate_window_requests", "Requests the estimate's calibration "
+                                       f"gauges rest on, {calib}.", ["model"], registry=r, multiprocess_mode="livesum")
         self.overflowed = Counter("lmfleet_routed", "Routing decisions by model, target and reason.",
                                   ["model", "target", "reason"], registry=r)
         self.hedges = Counter("lmfleet_hedges", "Hedged requests (overflow.policy hedge), by model and outcome: "
@@ -222,6 +237,15 @@ class GatewayMetrics:
         if child is None:
             child = self._prepare_children[model] = self.prepare.labels(model)
         child.observe(seconds)
+
+    def set_calibration(self, book: CalibrationBook) -> None:
+        """Publish the estimate's calibration of every model ``book`` has seen (:mod:`lmfleet.overflow.calibration`)."""
+        for model in book.models():
+            c = book.summary(model)
+            figures = (None, None, None) if c is None else (c.miss_ratio, c.p90_abs_error_ms, c.p90_share_of_threshold)
+            for g, v in zip((self.estimate_miss_ratio, self.estimate_p90_error, self.estimate_p90_share), figures):
+                g.labels(model).set(float("nan") if v is None else v)
+            self.estimate_requests.labels(model).set(0 if c is None else c.count)
 
     def set_replicas(self, table: ReplicaTable) -> None:
         """Publish the latest per-replica engine figures; replicas gone since the last poll disappear."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.overflow.calibration import CalibrationBook
 from lmfleet.overflow.money import usd_to_nusd
 from lmfleet.provenance import is_external
 from lmfleet.store import Ledger, SpendStore, StoreUnavailable, UsageRecord
@@ -93,6 +94,8 @@ class Recorder:
         self.failing_since: float | None = None
         """When the write at the head of the queue first failed (None: writes land)."""
         self.dropped = 0
+        self.calibration = CalibrationBook()
+        """The wait estimate's samples of the last minutes, per model (its ``threshold_of`` set by the app)."""
 
     def start(self) -> None:
         if self.ledger is not None and self._writer is None:
@@ -109,7 +112,9 @@ class Recorder:
         self._queue.put_nowait(write)
 
     def status(self) -> dict[str, Any] | None:
-        """The ledger writer's state for /ready (None without a ledger); also published to the metrics."""
+        """The ledger writer's state for /ready (None without a ledger); also published to the metrics, with the
+        wait estimate's calibration."""
+        self.metrics.set_calibration(self.calibration)
         if self.ledger is None:
             return None
         failing = self.failing_since is not None
@@ -219,6 +224,7 @@ class Recorder:
             ttft.observe(o.ttft_s)
             if o.predicted_wait_ms is not None and o.status == 200 and not is_external(o.served_by):
                 self.metrics.estimate_error.labels(model).observe(o.ttft_s - o.predicted_wait_ms / 1000)
+                self.calibration.add(model, o.predicted_wait_ms, o.ttft_s * 1000)
         tokens_in.inc(o.input_tokens)
         tokens_out.inc(o.output_tokens)
         if errors is not None:
