@@ -9,7 +9,7 @@ Paths, measured in one run with rounds alternated (medians reported):
 Each gateway path is run once per uvicorn variant (``--variants``, loop:http pairs), each variant in
 its own gateway process so that psutil can charge it its CPU. ``--tree-b REF_OR_PATH`` runs a second
 source tree beside this one (tree A): a path is used as is, a git ref is checked out with ``git worktree
-add`` into a temporary folder and removed at the end; each tree's gateway is its own process, started by
+add`` into a temporary folder and removed at the end (``--tree-c``: a third, alike); each tree's gateway is its own process, started by
 that tree's own ``benchmarks/bench_relay.py`` with ``PYTHONPATH=<tree>/src``, and within a round the
 trees alternate on each path (A, B, then B, A in the next round). The client and the fake are tree A's. Load: ``--concurrency`` clients (keep-
 alive connections, one request in flight each) streaming ``--max-tokens``-token chat completions for
@@ -253,6 +253,7 @@ def main() -> None:
     ap.add_argument("--tree-b", metavar="REF_OR_PATH",
                     help="a second source tree measured beside this one: a folder, or a git ref of this repository "
                          "(checked out into a temporary worktree, removed at the end)")
+    ap.add_argument("--tree-c", metavar="REF_OR_PATH", help="a third source tree, as --tree-b (needs --tree-b)")
     ap.add_argument("--target-pct", type=float, default=75.0, help="the req/s target, in %% of direct")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     ap.add_argument("--smoke", action="store_true",
@@ -287,9 +288,12 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-relay-")))
         trees = [Tree("A", TREE_A, "this tree")]
-        if args.tree_b:
-            trees.append(open_tree("B", args.tree_b, tmp))
-            stack.callback(close_tree, trees[1])
+        if args.tree_c and not args.tree_b:
+            raise SystemExit("--tree-c needs --tree-b")
+        for label, spec in (("B", args.tree_b), ("C", args.tree_c)):
+            if spec:
+                trees.append(open_tree(label, spec, tmp))
+                stack.callback(close_tree, trees[-1])
         args.trees = [describe(t) for t in trees]
         for line in args.trees:
             print(line, flush=True)
@@ -399,21 +403,23 @@ def report(args, results, phases) -> None:
 
 
 def compare_trees(rows: dict, ttft1: dict, phases: list) -> None:
-    """Tree B against tree A on each path and variant: req/s ratio and the difference in 1-client P50 TTFT."""
+    """Each other tree against tree A on each path and variant: req/s ratio, the difference in 1-client P50
+    TTFT and the ratio of gateway CPU per token."""
     by_key: dict[tuple[str, str], dict[str, str]] = {}
     for name, *_, gw in phases:
         if gw:
             by_key.setdefault((name.split(" ")[0], gw.variant), {})[gw.tree.label] = name
-    pairs = [(k, v) for k, v in by_key.items() if {"A", "B"} <= v.keys()]
-    if not pairs:
-        return
-    print()
-    for (path, variant), names in pairs:
-        a, b = rows[names["A"]], rows[names["B"]]
-        dt = ttft1.get(names["A"], float("nan")) - ttft1.get(names["B"], float("nan"))
-        print(f"{path} [{variant}]: A/B req/s {a['req_s'] / b['req_s']:.3f}, A's 1-client P50 TTFT {dt:+.2f} ms "
-              f"against B's, gateway CPU per 1k tokens A/B "
-              f"{a['gw_cpu_ms_per_1k_tokens'] / max(b['gw_cpu_ms_per_1k_tokens'], 1e-9):.3f}")
+    lines = []
+    for (path, variant), names in by_key.items():
+        for other in sorted(names.keys() - {"A"}):
+            a, b = rows[names["A"]], rows[names[other]]
+            dt = ttft1.get(names["A"], float("nan")) - ttft1.get(names[other], float("nan"))
+            lines.append(f"{path} [{variant}]: A/{other} req/s {a['req_s'] / b['req_s']:.3f}, A's 1-client P50 TTFT "
+                         f"{dt:+.2f} ms against {other}'s, gateway CPU per 1k tokens A/{other} "
+                         f"{a['gw_cpu_ms_per_1k_tokens'] / max(b['gw_cpu_ms_per_1k_tokens'], 1e-9):.3f}")
+    if lines:
+        print()
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
