@@ -9,11 +9,14 @@ Paths, measured in one run with rounds alternated (medians reported):
 Each gateway path is run once per uvicorn variant (``--variants``, loop:http pairs), each variant in
 its own gateway process so that psutil can charge it its CPU. ``--tree-b REF_OR_PATH`` runs a second
 source tree beside this one (tree A): a path is used as is, a git ref is checked out with ``git worktree
-add`` into a temporary folder and removed at the end (``--tree-c``: a third, alike); each tree's gateway is its own process, started by
-that tree's own ``benchmarks/bench_relay.py`` with ``PYTHONPATH=<tree>/src``, and within a round the
-trees alternate on each path (A, B, then B, A in the next round). The client and the fake are tree A's. Load: ``--concurrency`` clients (keep-
-alive connections, one request in flight each) streaming ``--max-tokens``-token chat completions for
-``--duration`` seconds per phase, then one client for ``--ttft-duration`` seconds for the TTFT at rest.
+add`` into a temporary folder and removed at the end (``--tree-c``: a third, alike). Each tree's gateway
+is its own process, started by that tree's own ``benchmarks/bench_relay.py`` with ``PYTHONPATH=<tree>/src``;
+within a round the trees alternate on each path (A, B, then B, A in the next round); the client and the
+fake are tree A's. Load: ``--concurrency`` clients (keep-alive connections, one request in flight each)
+streaming ``--max-tokens``-token chat completions for ``--duration`` seconds per phase, then one client
+for ``--ttft-duration`` seconds for the TTFT at rest. ``%direct`` is the ratio of the medians;
+``%dir/rd`` the median of each round's ratio to that round's direct phase (steadier when others' work on
+the machine drifts between rounds; the targets read it).
 Targets (issue 47): gateway >= 75 % of direct req/s at 64 concurrent 32-token streams (httpx client),
 and <= 1 ms added P50 TTFT (one client).
 
@@ -349,6 +352,11 @@ def report(args, results, phases) -> None:
     ttft1 = {name: statistics.median(pct(r.ttfts, 0.5) * 1000 for r in results[name][1])
              for name, *_ in phases if 1 in results[name]}
     direct = rows["direct"]
+    # each phase against the direct phase of its own round, then the median: drift between rounds (others' work
+    # on the machine) cancels out of the ratio
+    per_round = {name: statistics.median(g.requests / g.wall_s / max(d.requests / d.wall_s, 1e-9)
+                                         for g, d in zip(results[name][c], results["direct"][c]))
+                 for name, *_ in phases}
     cpu = os.cpu_count()
     print()
     print(f"# bench_relay  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {cpu} cores  "
@@ -357,7 +365,7 @@ def report(args, results, phases) -> None:
           f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for line in args.trees:
         print(f"#   {line}")
-    head = (f"{'path':28s} {'req/s':>7s} {'%direct':>7s} {'events/s':>9s} {'P50 TTFT':>9s} {'P99 TTFT':>9s} "
+    head = (f"{'path':28s} {'req/s':>7s} {'%direct':>7s} {'%dir/rd':>7s} {'events/s':>9s} {'P50 TTFT':>9s} {'P99 TTFT':>9s} "
             f"{'1-cl P50':>9s} {'+P50':>6s} {'gw cores':>8s} {'ev/gwCPUs':>9s} {'gw ms/1k tok':>12s} "
             f"{'fake cores':>10s} {'client cores':>12s} {'errs':>4s}")
     print(head)
@@ -369,7 +377,8 @@ def report(args, results, phases) -> None:
         gw = "gateway_cores" in s
         cols = ((f"{added:+5.2f}", f"{s.get('gateway_cores', 0):.2f}", f"{s.get('events_per_gw_cpu_s', 0):.0f}",
                  f"{s.get('gw_cpu_ms_per_1k_tokens', 0):.1f}") if gw else ("-", "-", "-", "-"))
-        print(f"{name:28s} {s['req_s']:7.1f} {100 * s['req_s'] / direct['req_s']:6.1f}% {s['events_s']:9.0f} "
+        print(f"{name:28s} {s['req_s']:7.1f} {100 * s['req_s'] / direct['req_s']:6.1f}% "
+              f"{100 * per_round[name]:6.1f}% {s['events_s']:9.0f} "
               f"{s['ttft_p50_ms']:7.2f}ms {s['ttft_p99_ms']:7.2f}ms {t1:7.2f}ms {cols[0]:>6s} {cols[1]:>8s} "
               f"{cols[2]:>9s} {cols[3]:>12s} {s['fake_cores']:10.2f} {s['client_cores']:12.2f} {s['errors']:4d}")
     print()
@@ -379,10 +388,10 @@ def report(args, results, phases) -> None:
             continue
         cores = args.fleet_tokens_s * s["gw_cpu_ms_per_1k_tokens"] / 1000 / 1000
         t1 = ttft1.get(name, float("nan")) - ttft1.get("direct", float("nan"))
-        ok_rate = s["req_s"] >= args.target_pct / 100 * direct["req_s"]
+        ok_rate = per_round[name] >= args.target_pct / 100
         ok_ttft = t1 <= 1.0
         print(f"{name:28s} {args.fleet_tokens_s:,.0f} tok/s fleet needs {cores:5.1f} gateway cores;  "
-              f"targets: >={args.target_pct:g}% direct req/s {'MET' if ok_rate else 'MISSED'}, "
+              f"targets: >={args.target_pct:g}% direct req/s (per round) {'MET' if ok_rate else 'MISSED'}, "
               f"<=1 ms added P50 TTFT {'MET' if ok_ttft else 'MISSED'}")
     compare_trees(rows, ttft1, phases)
     if direct["client_cores"] > 0.85:
