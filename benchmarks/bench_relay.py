@@ -101,10 +101,11 @@ def open_tree(label: str, spec: str, tmp: Path) -> Tree:
 
 def close_tree(tree: Tree) -> None:
     if tree.worktree:
-        subprocess.run(["git", "-C", str(TREE_A), "worktree", "remove", "--force", str(tree.root)],
-                       capture_output=True)
-        shutil.rmtree(tree.root, ignore_errors=True)
-        subprocess.run(["git", "-C", str(TREE_A), "worktree", "prune"], capture_output=True)
+        r = subprocess.run(["git", "-C", str(TREE_A), "worktree", "remove", "--force", str(tree.root)],
+                           capture_output=True)
+        if r.returncode != 0:  # its folder went some other way: drop what git still records of it
+            shutil.rmtree(tree.root, ignore_errors=True)
+            subprocess.run(["git", "-C", str(TREE_A), "worktree", "prune"], capture_output=True)
 
 
 def describe(tree: Tree) -> str:

@@ -217,19 +217,19 @@ class GatewayMetrics:
             MultiProcessCollector(self._page, self.multiproc_dir)
             self._page.register(self.replicas)
 
-    def observe_prepare(self, model: str, seconds: float) -> None:
-        """One request's gateway phase; ``model`` is a served model's name (the label set stays bounded)."""
-        child = self._prepare_children.get(model)
-        if child is None:
-            child = self._prepare_children[model] = self.prepare.labels(model)
-        child.observe(seconds)
-
     def observe_estimate_error(self, model: str, seconds: float) -> None:
         """One local answer's realised wait minus its estimate; ``model`` is a served model's name (bounded).
         The labelled child is looked up once per model: ``labels()`` costs a few microseconds a request."""
         child = self._estimate_error_children.get(model)
         if child is None:
             child = self._estimate_error_children[model] = self.estimate_error.labels(model)
+        child.observe(seconds)
+
+    def observe_prepare(self, model: str, seconds: float) -> None:
+        """One request's gateway phase; ``model`` is a served model's name (the label set stays bounded)."""
+        child = self._prepare_children.get(model)
+        if child is None:
+            child = self._prepare_children[model] = self.prepare.labels(model)
         child.observe(seconds)
 
     def set_replicas(self, table: ReplicaTable) -> None:
