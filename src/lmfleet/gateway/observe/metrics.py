@@ -222,6 +222,7 @@ class GatewayMetrics:
                                  "call (body, validation, tokenizing, routing), by model (lmfleet profile).",
                                  ["model"], buckets=_PREPARE_BUCKETS, registry=r)
         self._prepare_children: dict[str, Any] = {}
+        self._estimate_error_children: dict[str, Any] = {}
         self.loop_lag = Histogram("lmfleet_gateway_loop_lag_seconds", "How late the gateway's event loop woke up from "
                                   "a 0.1 s timer (blocked or starved of CPU; docs/gateways.md).",
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
@@ -230,6 +231,14 @@ class GatewayMetrics:
             self._page = CollectorRegistry()
             MultiProcessCollector(self._page, self.multiproc_dir)
             self._page.register(self.replicas)
+
+    def observe_estimate_error(self, model: str, seconds: float) -> None:
+        """One local answer's realised wait minus its estimate; ``model`` is a served model's name (bounded).
+        The labelled child is looked up once per model: ``labels()`` costs a few microseconds a request."""
+        child = self._estimate_error_children.get(model)
+        if child is None:
+            child = self._estimate_error_children[model] = self.estimate_error.labels(model)
+        child.observe(seconds)
 
     def observe_prepare(self, model: str, seconds: float) -> None:
         """One request's gateway phase; ``model`` is a served model's name (the label set stays bounded)."""
