@@ -223,7 +223,7 @@ class Recorder:
         if o.ttft_s is not None:
             ttft.observe(o.ttft_s)
             if o.predicted_wait_ms is not None and o.status == 200 and not is_external(o.served_by):
-                self.metrics.estimate_error.labels(model).observe(o.ttft_s - o.predicted_wait_ms / 1000)
+                self.metrics.observe_estimate_error(model, o.ttft_s - o.predicted_wait_ms / 1000)
                 self.calibration.add(model, o.predicted_wait_ms, o.ttft_s * 1000)
         tokens_in.inc(o.input_tokens)
         tokens_out.inc(o.output_tokens)
