@@ -194,3 +194,13 @@ def test_exceptions_derive_from_lmfleet_error(path, builtin):
 if __name__ == "__main__":  # the gateway's layer graph: PYTHONPATH=src python -m tests.unit.test_architecture
     for (a, b), how in sorted(gateway_layer_graph().items(), key=lambda e: GATEWAY_LAYERS.index(e[0][0])):
         print(f"{a:>8} -> {b:<8} {len({h.split(' -> ')[0] for h in how})} modules")
+
+
+MAX_MODULE_LINES = 450
+"""A module a maintainer reads in one sitting; a longer one is split by concern."""
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {str(p.relative_to(SRC.parent)): n for p in sorted(SRC.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"
