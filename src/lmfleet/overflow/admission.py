@@ -51,8 +51,8 @@ def admission_json(admission: Admission | Mapping[str, Any] | None) -> str | Non
     """The ledger's ``admission`` text: an :class:`Admission`, or its ``dataclasses.asdict`` form, as compact JSON."""
     if admission is None:
         return None
-    if isinstance(admission, Admission):
-        admission = dataclasses.asdict(admission)
+    if isinstance(admission, Admission):  # asdict's result, without its deep copy (a few times slower)
+        admission = {**vars(admission), "signals": vars(admission.signals)}
     return json.dumps(admission, separators=(",", ":"))
 
 
