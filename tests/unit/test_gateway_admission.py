@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from lmfleet.overflow.admission import parse_admission
 from lmfleet.testing.gateway_fakes import chat_json, make_gateway, sse_events, started_client, stream_response
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 ADM = {"authorization": "Bearer adm"}
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
 
 def ok(req: httpx.Request) -> httpx.Response:
