@@ -56,7 +56,7 @@ behind the fleet's own processes (vLLM's CPU engine binds its threads to one cor
 rest share the others) and add that wait to every TTFT, the provider's included: when the bench starts its own
 fleet they run at autogroup nice ``--outside-nice`` (-10, root only; this process's session and the provider's),
 and so does the LiteLLM proxy, which would run on a node of its own.
-``uptime``'s load is printed at the start and the end.
+``uptime``'s load is printed at the start and the end. ``--dataset-out``: rows for ``estimator_loto.py``.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from pathlib import Path
 
 from lmfleet.bench.overflow_figures import (Outcome, estimate_line, header_lines, pooled_estimate,  # noqa: F401
                                             provider_bill_usd, service_samples, summarize, table)
+from lmfleet.bench.loto import append_rows, dataset_rows
 from lmfleet.bench.mix import BenchInputError
 from lmfleet.bench.replay import parse_replay, read_trace_file, replay as replay_trace
 from lmfleet.bench.shapes import SHAPES, shape_trace
@@ -102,7 +103,6 @@ CONTEXT_MARGIN = 64
 """Tokens of the context a replayed request leaves free: the chat template's, and words that are two tokens."""
 
 
-
 def admin(url: str, method: str, path: str, body: dict | None = None) -> dict:
     import httpx
 
@@ -126,10 +126,10 @@ def provider_spend_usd(url: str, since: float, until: float) -> float:
     return sum(r["cost_usd"] for r in usage["rows"] if is_external(r["served_by"]))
 
 
-def estimate_error_of(url: str, since: float, until: float) -> dict | None:
-    """The estimate's error on the model's requests kept local in the window, from the ledger (None: none)."""
-    models = admin(url, "GET", f"/admin/usage?estimate=1&since={since}&until={until}")["models"]
-    return next((m for m in models if m["model"] == MODEL), None)
+def estimate_error_of(url: str, since: float, until: float, features: bool = False) -> tuple[dict | None, list]:
+    """The model's estimate error in the window, from the ledger (None: none), and with ``features`` its rows."""
+    got = admin(url, "GET", f"/admin/usage?estimate=1&since={since}&until={until}" + "&features=1" * features)
+    return next((m for m in got["models"] if m["model"] == MODEL), None), got.get("requests", [])
 
 
 def wait_ready(url: str, timeout: float, procs: list[subprocess.Popen]) -> None:
@@ -176,6 +176,7 @@ def main() -> None:
     ap.add_argument("--price-out", type=float, default=1.5, help="provider $/1M output tokens")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--smoke", action="store_true", help="a few seconds of trace, one round: the harness works")
+    ap.add_argument("--dataset-out", type=Path, help="JSON lines: the requests kept local, for estimator_loto.py")
     ap.add_argument("--url", default=None, help="use this running fleet (one started with --serve-only)")
     ap.add_argument("--admin-key", default=ADMIN, help="with --url: the fleet's admin key")
     ap.add_argument("--api-key", default="", help="with --url: an API key of the fleet (none: no auth)")
@@ -386,7 +387,8 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
                 time.sleep(2)  # the last ledger rows
                 until = time.time()
                 spend[name] += provider_spend_usd(url, since - 1, until)
-                e = estimate_error_of(url, since - 1, until)
+                e, rows = estimate_error_of(url, since - 1, until, args.dataset_out is not None)
+                append_rows(args.dataset_out, dataset_rows(rows, args.trace or args.shape, name, rnd + 1))
                 if e is not None:
                     estimates[name].append({"round": rnd + 1, **e})
             runs[name] += res

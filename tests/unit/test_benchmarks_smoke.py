@@ -24,6 +24,7 @@ SMOKE = [
     ("bench_dashboard.py", ["--smoke"]),
     ("bench_tenants.py", ["--duration", "1", "--loads", "1"]),
     ("bench_rate_store.py", ["20"]),
+    ("estimator_loto.py", ["--smoke", "--out", "out"]),
 ]
 # start engines (or need GPUs): their imports and arguments only
 HELP_ONLY = ["bench_gateway.py", "bench_overflow.py", "bench_gateways_overload.py", "bench_prefix_routing.py",

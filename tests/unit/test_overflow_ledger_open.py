@@ -89,7 +89,8 @@ def test_old_sqlite_file_gains_the_tenant_column(tmp_path, store_first, old_stor
     openers = [lambda: Ledger(path), lambda: SqliteSpendStore(path)]
     for open_ in reversed(openers) if store_first else openers:  # the gateway opens both; either may come first
         open_().close()
-    assert _columns(path)[-5:] == ["tenant", "usage_source", "upstream_model", "predicted_wait_ms", "realised_wait_ms"]
+    assert _columns(path)[-6:] == ["tenant", "usage_source", "upstream_model", "predicted_wait_ms", "realised_wait_ms",
+                                   "admission"]
     with SqliteSpendStore(path) as store:
         store.record(ROW, 7)
     with Ledger(path) as led:

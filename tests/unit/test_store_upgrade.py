@@ -175,7 +175,7 @@ def test_one_declaration_makes_both_dialects(dialect, first):
     table, index = create_table_sql(REQUESTS, dialect)
     assert table.startswith(first) and table.endswith(
         "cost_nusd " + TYPES[dialect]["int"] + " NOT NULL, tenant TEXT, usage_source TEXT, upstream_model TEXT,"
-        f" predicted_wait_ms {TYPES[dialect]['real']}, realised_wait_ms {TYPES[dialect]['real']})")
+        f" predicted_wait_ms {TYPES[dialect]['real']}, realised_wait_ms {TYPES[dialect]['real']}, admission TEXT)")
     assert index == "CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts)"
 
 

@@ -14,11 +14,12 @@ per-request costs add up to the reported totals with no float drift. Timestamps 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lmfleet.overflow.admission import Admission, admission_json
 from lmfleet.overflow.money import nusd_to_usd, usd_to_nusd
 from lmfleet.provenance import PROVIDER_PREFIX
 from lmfleet.store.postgres import PgDatabase
@@ -114,18 +115,21 @@ class SqlLedger:
         upstream_model: str | None = None,
         predicted_wait_ms: float | None = None,
         realised_wait_ms: float | None = None,
+        admission: Admission | Mapping[str, Any] | None = None,
     ) -> int:
         """Append one request; returns its row id. ``status``: e.g. "ok", "error", "cancelled", or an HTTP code.
         ``tenant``: who sent it (None: reported as ``default``); ``usage_source``: where the token counts came from
         (``provider`` or ``estimated``); ``upstream_model``: the model name the backend answered with;
         ``predicted_wait_ms`` / ``realised_wait_ms``: a request kept local, its predicted and realised wait before
-        the first token."""
+        the first token; ``admission``: what that prediction was computed from (``lmfleet.overflow.admission``),
+        stored as JSON."""
         if input_tokens < 0 or output_tokens < 0 or cost_usd < 0:
             raise ValueError(f"negative usage: {input_tokens=} {output_tokens=} {cost_usd=}")
         when = self._clock() if ts is None else ts
         return self._insert(INSERT_REQUEST, (when, model, served_by, route_reason, input_tokens, output_tokens, latency_ms,
                                       ttft_ms, str(status), usd_to_nusd(cost_usd), tenant, usage_source,
-                                      upstream_model, predicted_wait_ms, realised_wait_ms))
+                                      upstream_model, predicted_wait_ms, realised_wait_ms,
+                                      admission_json(admission)))
 
     def spend_events(self, since: float, bucket_s: float = 60.0) -> list[tuple[float, float]]:
         """External spend after ``since`` as ``(latest ts in bucket, usd)`` pairs, for ``check_budget``."""

@@ -11,12 +11,13 @@ Exceptions::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from lmfleet.errors import LmfleetError
+from lmfleet.overflow.admission import Admission
 from lmfleet.store.caps import GLOBAL, Cap, Refusal
 from lmfleet.store.schema import Dialect, Query
 
@@ -97,6 +98,9 @@ class UsageRecord:
     realised_wait_ms: float | None = None
     """A request kept local: the wait it had, dispatch to first token as the gateway saw it (None: no first token
     measured, see ``lmfleet.overflow.estimate_error``)."""
+    admission: Admission | Mapping[str, Any] | None = None
+    """A request kept local with an estimate: what the estimate was computed from (``lmfleet.overflow.admission``;
+    written as JSON by the ledger's writer)."""
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0 or self.output_tokens < 0:

@@ -75,6 +75,8 @@ REQUESTS = Table("requests", (
     # requests kept local with an estimate: the predicted wait before the first token and the realised one
     Column("predicted_wait_ms", "real", nullable=True),
     Column("realised_wait_ms", "real", nullable=True),
+    # the same requests: what the estimate was computed from, JSON (lmfleet.overflow.admission)
+    Column("admission", "text", nullable=True),
 ), indexes=(("requests_ts", ("ts",)),))
 
 RESERVATIONS = Table("reservations", (
@@ -138,7 +140,7 @@ def insert_sql(table: Table) -> str:
 
 INSERT_REQUEST = insert_sql(REQUESTS)
 """One ledger row: ts, model, served_by, route_reason, input_tokens, output_tokens, latency_ms, ttft_ms, status,
-cost_nusd, tenant, usage_source, upstream_model, predicted_wait_ms, realised_wait_ms."""
+cost_nusd, tenant, usage_source, upstream_model, predicted_wait_ms, realised_wait_ms, admission."""
 
 
 class Query(Protocol):
@@ -185,6 +187,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (6, AddColumn(REQUESTS, "upstream_model")),
     (7, AddColumn(REQUESTS, "predicted_wait_ms")),
     (8, AddColumn(REQUESTS, "realised_wait_ms")),
+    (9, AddColumn(REQUESTS, "admission")),
 )
 """(version, step), in order. A new table or column is declared above and gets a new step here."""
 

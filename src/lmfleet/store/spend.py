@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from lmfleet.overflow.admission import admission_json
 from lmfleet.overflow.budget import retry_after_s
 from lmfleet.store.caps import GLOBAL, Cap, Refusal, caps_exceeded
 from lmfleet.store.postgres import PgDatabase
@@ -48,7 +49,7 @@ PURGE_EVERY_S = 60.0
 def _ledger_insert(q: Query, record: UsageRecord, cost_nusd: int, ts: float) -> None:
     q(INSERT_REQUEST, (ts, record.model, record.served_by, record.route_reason, record.input_tokens, record.output_tokens,
        record.latency_ms, record.ttft_ms, str(record.status), cost_nusd, record.tenant, record.usage_source,
-       record.upstream_model, record.predicted_wait_ms, record.realised_wait_ms))
+       record.upstream_model, record.predicted_wait_ms, record.realised_wait_ms, admission_json(record.admission)))
 
 
 class SqlSpendStore(TenantCounters, TenantOverrides):

@@ -2,6 +2,7 @@
 
     GET    /admin/usage                  requests, tokens and cost per backend or per tenant, from the ledger;
                                          ?advise=1 rent or buy, ?estimate=1 the predicted wait's error
+                                         (&features=1: and each request's admission record, for fitting)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from lmfleet.gateway.service import Gateway
 from lmfleet.overflow.advise import advise as advise_rows
 from lmfleet.overflow.advise import facts_from_rows, replica_hour_nusd
 from lmfleet.overflow.estimate_error import estimate_errors, samples_from_rows
+from lmfleet.overflow.admission import admission_rows
 from lmfleet.store import Grouping, StoreUnavailable
 
 log = logging.getLogger("lmfleet.gateway")
@@ -32,11 +34,13 @@ def usage_routes(gw: Gateway) -> APIRouter:
 
     @r.get("/admin/usage")
     async def admin_usage(since: float | None = None, until: float | None = None,
-                          by: str = "served_by", advise: bool = False, estimate: bool = False) -> dict[str, Any]:
+                          by: str = "served_by", advise: bool = False, estimate: bool = False,
+                          features: bool = False) -> dict[str, Any]:
         """Requests, tokens and cost per ``served_by`` or per ``tenant`` (rows without one: ``default``), read from
         the ledger (the fleet's shared PostgreSQL when ``ledger.url`` is set); 503 while that cannot be reached.
         ``advise=1``: rent or buy per model instead (``lmfleet usage --advise``); ``estimate=1``: the predicted
-        local wait's error per model instead (``lmfleet usage --estimate``)."""
+        local wait's error per model instead (``lmfleet usage --estimate``), with ``features=1`` also ``requests``:
+        every request with an estimate and an admission record (``lmfleet.overflow.admission``), oldest first."""
         ledger = gw.recorder.ledger
         if ledger is None:
             raise GatewayError(404, "No ledger is configured.")
@@ -44,6 +48,8 @@ def usage_routes(gw: Gateway) -> APIRouter:
             raise GatewayError(400, f"by must be one of {list(get_args(Grouping))}, got {by!r}", param="by")
         if advise and estimate:
             raise GatewayError(400, "advise and estimate: choose one", param="estimate")
+        if features and not estimate:
+            raise GatewayError(400, "features=1 goes with estimate=1", param="features")
         try:  # rows of finished requests are in before we read (bounded: the database may be down)
             await asyncio.wait_for(gw.recorder.flush(), USAGE_FLUSH_WAIT_S)
         except TimeoutError:
@@ -60,7 +66,8 @@ def usage_routes(gw: Gateway) -> APIRouter:
         if estimate:
             thresholds = {n: m.threshold_ms for n, m in gw.models.items()}
             errors = estimate_errors(samples_from_rows(raw), thresholds)
-            return {"since": since, "until": until, "models": [e.as_dict(thresholds.get(e.model)) for e in errors]}
+            got = {"since": since, "until": until, "models": [e.as_dict(thresholds.get(e.model)) for e in errors]}
+            return {**got, "requests": admission_rows(raw)} if features else got
         if advise:
             hourly = {n: replica_hour_nusd(m.app.cfg, uses_gpus=m.app.device == "gpu") for n, m in gw.models.items()}
             window = (since, until if until is not None else time.time()) if since is not None else None

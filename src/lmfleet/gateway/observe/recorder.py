@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmfleet.gateway.observe.metrics import GatewayMetrics
+from lmfleet.overflow.admission import Admission
 from lmfleet.overflow.calibration import CalibrationBook
 from lmfleet.overflow.money import usd_to_nusd
 from lmfleet.provenance import is_external
@@ -46,6 +47,8 @@ class Outcome:
     with the model's tokenizer, for an answer without usage)."""
     upstream_model: str | None = None
     """The model name the backend answered with (None: it named none)."""
+    admission: Admission | None = None
+    """A local answer: what ``predicted_wait_ms`` was computed from (the ledger's ``admission``)."""
 
 
 def waits(o: Outcome) -> tuple[float | None, float | None]:
@@ -238,7 +241,8 @@ class Recorder:
                           output_tokens=o.output_tokens, status=str(o.status), latency_ms=latency_s * 1000,
                           ttft_ms=o.ttft_s * 1000 if o.ttft_s is not None else None, tenant=tenant,
                           usage_source=o.usage_source, upstream_model=o.upstream_model,
-                          predicted_wait_ms=predicted, realised_wait_ms=realised)
+                          predicted_wait_ms=predicted, realised_wait_ms=realised,
+                          admission=o.admission if predicted is not None else None)
         reservation = getattr(slot, "reservation", None)
         if reservation is not None and self.store is not None:  # settle the hold to the real cost, row included
             store = self.store

@@ -350,7 +350,7 @@ class RequestRun:
             predicted = o.predicted_wait_ms
             if predicted is None:
                 predicted = self.plan.estimate_ms
-                o = dataclasses.replace(o, predicted_wait_ms=predicted)
+                o = dataclasses.replace(o, predicted_wait_ms=predicted, admission=self.plan.admission)
             if o.ttft_s is not None and o.status == 200:
                 self.m.margin.observe(predicted, o.ttft_s * 1000, self.m.threshold_ms)
             elif o.ttft_s is None and o.status == CANCELLED:  # cancelled before its first token: waited at least this

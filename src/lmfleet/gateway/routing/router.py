@@ -31,7 +31,9 @@ from lmfleet.gateway.core.errors import GatewayError
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.routing.decision import LOCAL, RouteInputs, route_plan
 from lmfleet.overflow import BudgetStatus, ProviderCandidate, QueueSignals, Reason, check_budget, estimate_wait_ms
+from lmfleet.overflow.admission import Admission
 from lmfleet.overflow.budget import DAY_S
+from lmfleet.overflow.margin import applied_margin_ms
 from lmfleet.overflow.policies import Permissions
 from lmfleet.store import Cap, Ledger, StoreUnavailable, caps_for_budget, tenant_key
 from lmfleet.tenants import PRIORITY_HEADER, Tenant, TenantBook, Ticket
@@ -60,12 +62,18 @@ def class_wait_ms(signals: QueueSignals, capacity: int, waiting_by_order: Mappin
     already left the queue (running, or in the engine's own FIFO queue) are ahead whatever their class.
     Pure; O(classes).
     """
+    return estimate_wait_ms(class_signals(signals, waiting_by_order, order), capacity, cold_service_s=cold_service_s,
+                            cold_ttft_s=cold_ttft_s, prompt_tokens=prompt_tokens)
+
+
+def class_signals(signals: QueueSignals, waiting_by_order: Mapping[int, int], order: int | None) -> QueueSignals:
+    """``signals`` as a request of class ``order`` sees them: without the requests waiting in the local queue in a
+    less urgent class (:func:`class_wait_ms`). Pure."""
     if order is not None and waiting_by_order:
         behind = sum(n for o, n in waiting_by_order.items() if o > order)
         if behind:
-            signals = dataclasses.replace(signals, in_flight=max(0, signals.in_flight - behind))
-    return estimate_wait_ms(signals, capacity, cold_service_s=cold_service_s, cold_ttft_s=cold_ttft_s,
-                            prompt_tokens=prompt_tokens)
+            return dataclasses.replace(signals, in_flight=max(0, signals.in_flight - behind))
+    return signals
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,8 @@ class Plan:
     """The tenant's own spend caps: a paid attempt reserves against them beside the fleet's (none: no tenant caps)."""
     permissions: Permissions = Permissions()
     """Whether a provider may take it later (a hedge, a failover): a batch class only when its tenant allows it."""
+    admission: Admission | None = None
+    """What the estimate was computed from, for the ledger row of a request the local engines answer."""
 
 
 class Router:
@@ -127,11 +137,19 @@ class Router:
         (requests waiting in the model's queue in a less urgent class are not ahead of it), None: behind every
         request in flight (no class; what /admin/state and the dashboard show); ``prompt_tokens``: its prompt
         (0: none, what /admin/state and the dashboard show)."""
-        o = m.app.cfg.overflow
+        return self._estimate(m, self._class_signals(m, signals or m.local.tracker.snapshot(), order), prompt_tokens)
+
+    @staticmethod
+    def _class_signals(m: ServedModel, signals: QueueSignals, order: int | None) -> QueueSignals:
         q = m.queue
-        waiting = q.waiting_by_order if q is not None and order is not None else _NO_WAITING
-        return class_wait_ms(signals or m.local.tracker.snapshot(), m.app.capacity, waiting, order,
-                             cold_service_s=o.cold_service_s, cold_ttft_s=o.cold_ttft_s, prompt_tokens=prompt_tokens)
+        return class_signals(signals, q.waiting_by_order if q is not None and order is not None else _NO_WAITING,
+                             order)
+
+    @staticmethod
+    def _estimate(m: ServedModel, fed: QueueSignals, prompt_tokens: int) -> float:
+        o = m.app.cfg.overflow
+        return estimate_wait_ms(fed, m.app.capacity, cold_service_s=o.cold_service_s, cold_ttft_s=o.cold_ttft_s,
+                                prompt_tokens=prompt_tokens)
 
     async def budget_status(self) -> BudgetStatus | None:
         """External spend against the caps (read from the ledger at most once per ``BUDGET_CACHE_S``)."""
@@ -179,8 +197,8 @@ class Router:
         fleet is configured to reject rather than queue, or when the tenant's admission refuses it.
         """
         signals = m.local.tracker.snapshot()
-        estimate = self.estimate(m, signals, order=cls.order if cls is not None else None,
-                                 prompt_tokens=prompt_tokens)
+        fed = self._class_signals(m, signals, cls.order if cls is not None else None)
+        estimate = self._estimate(m, fed, prompt_tokens)
         m.last_estimate_ms = estimate
         self._child(self.metrics.queue_estimate, m.name).set(estimate)
         candidates = [ProviderCandidate(p.name, p.cfg.model_map, p.healthy(), p.in_flight, p.cfg.max_concurrency)
@@ -227,4 +245,8 @@ class Router:
             ticket = book.take(tenant)  # type: ignore[union-attr, arg-type]
         backends: list[Backend] = [m.local if name == LOCAL else m.provider(name) for name in p.order]
         caps = self.tenant_caps.get(tenant.name, ()) if admitted else ()  # type: ignore[union-attr]
-        return Plan(backends, p.reason, estimate, ticket, p.headers, cls if admitted else None, caps, p.permissions)
+        # the estimate's inputs, for the ledger row of a request the local engines answer (lmfleet.overflow.admission)
+        seen = Admission(fed, m.app.capacity, prompt_tokens, cls.order if cls is not None else None, estimate, margin,
+                         applied_margin_ms(estimate, margin, m.threshold_ms), m.threshold_ms)
+        return Plan(backends, p.reason, estimate, ticket, p.headers, cls if admitted else None, caps, p.permissions,
+                    seen)
