@@ -37,7 +37,7 @@ from pydantic import BaseModel
 from lmfleet.config.fleet import FleetConfig
 from lmfleet.config.redact import redact
 
-__all__ = ["CLASSIFICATION", "COSTS", "Change", "Cost", "Where", "classify", "diff_fleets", "needs_restart",
+__all__ = ["APPLIED_LIVE", "CLASSIFICATION", "COSTS", "Change", "Cost", "Where", "classify", "diff_fleets", "needs_restart",
            "schema_paths"]
 
 Cost = Literal["none", "in place", "replica replacement", "new model", "model removed", "restart needed"]
@@ -106,6 +106,10 @@ _rows("gateway", "none", "models[].", "content_parts cost.gpu_hour_usd cost.node
       "cost.min_output_tokens_per_hour")
 _rows("gateway", "none", "models[].overflow.", "enabled threshold_ms hysteresis miss_quantile providers "
       "signal_window_s cold_service_s cold_ttft_s local_first_token_timeout_s policy ttft_timeout_ms hedge_after_ms")
+
+APPLIED_LIVE: frozenset[str] = frozenset()
+"""The keys ``lmfleet apply`` carries out on a running fleet today (a subset of the ``none`` rows: what the gateways
+rebuild when the stored version moves). A file that changes any other key is refused whole: nothing changes."""
 
 
 @dataclass(frozen=True)
