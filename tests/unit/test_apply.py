@@ -92,10 +92,10 @@ def test_dry_run_prints_each_change_and_changes_nothing(tmp_path: Path, store: F
     assert store.current_version() == 1
 
 
-def test_keys_applied_live_are_stored_as_the_next_version(tmp_path: Path, store: FleetStore,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(apply_cli, "APPLIED_LIVE", frozenset({"budget.daily_usd"}))
-    new = fleet_with(budget={"daily_usd": 10.0})
+def test_keys_applied_live_are_stored_as_the_next_version(tmp_path: Path, store: FleetStore) -> None:
+    new = fleet_with()
+    new["providers"][0]["price"]["output_per_1m"] = 4.0
+    new["models"][0]["overflow"]["threshold_ms"] = 900.0
     result = run_apply(tmp_path, new)
     assert result.exit_code == 0, result.output
     assert "now version 2" in result.output
@@ -103,6 +103,7 @@ def test_keys_applied_live_are_stored_as_the_next_version(tmp_path: Path, store:
 
 
 @pytest.mark.parametrize(("changes", "refused_key"), [
+    ({}, "budget.daily_usd (none)"),  # a gateway setting not taken live yet
     ({"gateway": {"port": 9000}}, "gateway.port (restart needed)"),
     ({"models": [{"name": "m", "source": "builtin:tiny-random", "overflow": {"providers": ["p"]},
                   "deployment": {"replicas": 2}}]}, "models[m].deployment.replicas (in place)"),
@@ -110,9 +111,7 @@ def test_keys_applied_live_are_stored_as_the_next_version(tmp_path: Path, store:
                   "engine": {"max_num_seqs": 8}}]}, "models[m].engine.max_num_seqs (replica replacement)"),
 ])
 def test_changes_that_cannot_be_applied_live_change_nothing(tmp_path: Path, store: FleetStore,
-                                                            monkeypatch: pytest.MonkeyPatch,
                                                             changes: dict, refused_key: str) -> None:
-    monkeypatch.setattr(apply_cli, "APPLIED_LIVE", frozenset({"budget.daily_usd"}))
     result = run_apply(tmp_path, fleet_with(budget={"daily_usd": 1.0}, **changes))
     assert result.exit_code == 1
     assert refused_key in result.output and "nothing changed" in result.output
@@ -160,7 +159,15 @@ async def test_fleet_watch_follows_the_stored_version() -> None:
 
     watch = FleetWatch(read, on_version=on_version)
     assert [await watch.poll_once() for _ in range(6)] == [None, 1, 1, 2, 2, 3]
-    assert seen == [2, 3]  # the first version read is the one the process started with
+    assert seen == [1, 2, 3]  # the first one too: a process started from its own file converges
+
+
+async def test_fleet_watch_keeps_its_version_when_taking_a_new_one_fails() -> None:
+    async def broken(v: int) -> None:
+        raise ValueError("stored fleet does not load")
+
+    watch = FleetWatch(lambda: 2, on_version=broken)
+    assert await watch.poll_once() is None and watch.version is None  # tried again at the next poll
 
 
 async def test_admin_state_shows_the_fleet_version(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from lmfleet.config import parse_config
-from lmfleet.config.diff import CLASSIFICATION, COSTS, Change, classify, diff_fleets, needs_restart, schema_paths
+from lmfleet.config.diff import APPLIED_LIVE, CLASSIFICATION, COSTS, Change, classify, diff_fleets, needs_restart, schema_paths
 from lmfleet.config.redact import MASK
 
 SECRET = "supersecret123"
@@ -142,3 +142,7 @@ def test_every_key_of_the_fleet_file_is_classified() -> None:
     assert {cost for _, cost in CLASSIFICATION.values()} <= set(COSTS)
     with pytest.raises(KeyError, match="CLASSIFICATION"):
         classify("gateway.nonexistent")
+
+
+def test_keys_applied_live_are_gateway_settings_that_cost_nothing() -> None:
+    assert APPLIED_LIVE and all(CLASSIFICATION[k] == ("gateway", "none") for k in APPLIED_LIVE)

@@ -102,4 +102,4 @@ def apply(
     except VersionConflict as e:
         fail(str(e), EXIT_REFUSED)
     typer.echo(f"applied: the running fleet is now version {stored.version} ({len(changes)} change(s)); every "
-               "gateway takes it within its poll period")
+               "gateway process takes it within 2 s (/admin/state: fleet_version)")

@@ -107,9 +107,15 @@ _rows("gateway", "none", "models[].", "content_parts cost.gpu_hour_usd cost.node
 _rows("gateway", "none", "models[].overflow.", "enabled threshold_ms hysteresis miss_quantile providers "
       "signal_window_s cold_service_s cold_ttft_s local_first_token_timeout_s policy ttft_timeout_ms hedge_after_ms")
 
-APPLIED_LIVE: frozenset[str] = frozenset()
-"""The keys ``lmfleet apply`` carries out on a running fleet today (a subset of the ``none`` rows: what the gateways
-rebuild when the stored version moves). A file that changes any other key is refused whole: nothing changes."""
+APPLIED_LIVE: frozenset[str] = frozenset({
+    "providers[].price.input_per_1m", "providers[].price.output_per_1m", "providers[].timeouts.total_s", "providers[].timeouts.first_token_s", "providers[].max_retries",
+    "providers[].breaker.backoff_base_s", "providers[].breaker.backoff_cap_s",
+    "models[].overflow.threshold_ms", "models[].overflow.policy", "models[].overflow.ttft_timeout_ms",
+    "models[].overflow.hedge_after_ms",
+})
+"""The keys ``lmfleet apply`` carries out on a running fleet today (a subset of the ``none`` rows: what every
+gateway swaps in when the stored version moves, :mod:`lmfleet.gateway.routing.live`). A file that changes any
+other key is refused whole: nothing changes."""
 
 
 @dataclass(frozen=True)

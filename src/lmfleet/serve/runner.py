@@ -183,7 +183,7 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
                         fetch_status=serve_status_fetcher(), fetch_engine_metrics=ray_metrics_fetcher())
     health = app.state.gateway.health
     attach_peers(app, host, port, role="serve", period_s=fleet.gateway.peers_period_s)
-    attach_fleet_watch(app)
+    attach_fleet_watch(app, fleet)
     try:
         sock = listen_socket(host, port, reuse_port=workers > 1)
     except OSError as e:

@@ -23,6 +23,7 @@ and asks it how often to retry (:meth:`attempts`) and how long to wait between t
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +145,14 @@ class ProviderBackend:
         self._headers = self.dialect.auth_headers(api_key)
         self.breaker = breaker
         self.in_flight = 0
+
+    def with_config(self, cfg: ProviderConfig) -> "ProviderBackend":
+        """This provider under new settings (``lmfleet apply``: prices, timeouts, retries): a new backend sharing
+        the connection pool, the breaker, the budget and the key. Requests planned on this one keep it, so they
+        finish, and are priced, under the settings they were admitted with."""
+        twin = copy.copy(self)  # shallow: the pool, breaker, budget and headers are the same objects
+        twin.cfg, twin.in_flight = cfg, 0
+        return twin
 
     def endpoint(self, model: str, *, has_fallback: bool) -> Endpoint:
         t = self.cfg.timeouts

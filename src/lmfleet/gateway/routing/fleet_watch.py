@@ -20,7 +20,8 @@ files are re-read."""
 
 
 class FleetWatch:
-    """The stored fleet version as last read; ``on_version`` runs when it changes (after the first read)."""
+    """The stored fleet version this process runs under; ``on_version`` takes each new one (the first read
+    included: a process started from its own file converges to the cluster's version)."""
 
     def __init__(self, read_version: Callable[[], int | None], *, period_s: float = FLEET_POLL_S,
                  on_version: Callable[[int], Awaitable[None]] | None = None) -> None:
@@ -28,7 +29,7 @@ class FleetWatch:
         self._period_s = period_s
         self._on_version = on_version
         self.version: int | None = None
-        """The version in force as this process last read it; None before the first read or without a store."""
+        """The version this process has taken; None before the first read or without a store."""
 
     async def poll_once(self) -> int | None:
         """Read the stored version once; run ``on_version`` if it moved. Returns the version seen."""
@@ -39,9 +40,14 @@ class FleetWatch:
             return self.version
         if seen is None or seen == self.version:
             return self.version
-        before, self.version = self.version, seen
-        if before is not None and self._on_version is not None:
-            await self._on_version(seen)
+        if self._on_version is not None:
+            try:
+                await self._on_version(seen)
+            except Exception:  # this process stays on the version it has; the next poll tries again
+                log.exception("gateway: cannot take version %s of the running fleet (keeping %s)", seen,
+                              self.version)
+                return self.version
+        self.version = seen
         return seen
 
     async def run(self) -> None:

@@ -1,0 +1,80 @@
+"""A running gateway takes a new version of the fleet (``lmfleet apply``): the keys of
+:data:`lmfleet.config.diff.APPLIED_LIVE`, swapped in without disturbing a request.
+
+What "a request finishes under the settings it was admitted with" rests on:
+
+* a provider whose settings change becomes a new :class:`~lmfleet.gateway.routing.backends.ProviderBackend`
+  (:meth:`~lmfleet.gateway.routing.backends.ProviderBackend.with_config`: same pool, breaker, budget, key); a
+  request's plan holds the backends it was routed to, so it keeps the old one: its timeouts, retries, budget
+  reservation and price (the ledger's cost) are those in force when it was admitted;
+* a model's provider list is replaced by one assignment, as are its threshold and its policy timers; a request
+  run copies the timers and the threshold when it starts (:class:`~lmfleet.gateway.relay.run.RequestRun`).
+
+Values the operator changed at run time (``POST /admin/overflow``) stay unless the new version changes that key.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from lmfleet.config.diff import APPLIED_LIVE, Change, diff_fleets
+from lmfleet.config.models import FleetConfig
+from lmfleet.gateway.routing.backends import ProviderBackend
+from lmfleet.gateway.routing.served import ServedModel
+from lmfleet.overflow.policies import PolicyTimers
+
+log = logging.getLogger("lmfleet.gateway")
+
+_TIMER_KEYS = ("policy", "ttft_timeout_ms", "hedge_after_ms")
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What one new version did to this gateway process."""
+
+    applied: list[Change]
+    ignored: list[Change]
+    """Changes this process cannot take live (``lmfleet apply`` refuses them; a process started from another
+    file than the running fleet's can see some): they wait for a restart."""
+
+
+class LiveFleet:
+    """The fleet this gateway process runs under, and the swap to a new version."""
+
+    def __init__(self, fleet: FleetConfig, models: dict[str, ServedModel],
+                 providers: dict[str, ProviderBackend]) -> None:
+        self.fleet = fleet
+        self._models = models
+        self._providers = providers
+
+    def take(self, new: FleetConfig) -> Taken:
+        """Swap in ``new``'s live keys; returns what changed and what could not."""
+        changes = diff_fleets(self.fleet, new)
+        applied = [c for c in changes if c.schema_path in APPLIED_LIVE]
+        ignored = [c for c in changes if c.schema_path not in APPLIED_LIVE]
+        if applied:
+            self._swap(self.fleet, new)
+        self.fleet = new
+        if ignored:
+            log.warning("gateway: the running fleet's new version changes keys this process takes only at a "
+                        "restart: %s", ", ".join(c.path for c in ignored))
+        return Taken(applied, ignored)
+
+    def _swap(self, old: FleetConfig, new: FleetConfig) -> None:
+        fresh = dict(self._providers)
+        for cfg in new.providers:
+            backend = self._providers.get(cfg.name)
+            if backend is not None and backend.cfg != cfg:
+                fresh[cfg.name] = backend.with_config(cfg)
+        self._providers.update(fresh)
+        for name, m in self._models.items():
+            before, after = old.model(name), new.model(name)
+            if before is None or after is None:
+                continue
+            m.providers = [fresh[p.name] for p in m.providers]
+            o, n = before.overflow, after.overflow
+            if n.threshold_ms != o.threshold_ms:
+                m.threshold_ms = n.threshold_ms
+            if any(getattr(n, k) != getattr(o, k) for k in _TIMER_KEYS):
+                m.timers = PolicyTimers.from_config(n)
