@@ -104,3 +104,34 @@ async def test_changes_a_process_cannot_take_live_are_reported_and_left(tmp_path
     assert taken.applied == [] and [c.path for c in taken.ignored] == ["gateway.port", "models[m].deployment.replicas"]
     assert gw.providers["p"] is before
     assert live.fleet.gateway.port == 9000  # the next version is compared with this one
+
+
+# ------------------------------------------------------------------------------------------------ rollouts
+def serve_status(running: int, state: str = "UPDATING") -> dict[str, Any]:
+    """Serve's status of app ``m`` with ``running`` replicas of its engine deployment running."""
+    from types import SimpleNamespace as NS
+
+    return {"m": NS(status=NS(value="RUNNING" if state == "HEALTHY" else "DEPLOYING"), deployments={
+        "LLMServer:m": NS(status=NS(value=state), replica_states={"RUNNING": running, "STARTING": 2 - running},
+                          message="")})}
+
+
+async def test_while_replicas_are_replaced_the_capacity_counts_only_the_running_ones(tmp_path) -> None:
+    model = {"name": "m", "source": "builtin:tiny-random", "overflow": {"threshold_ms": 1000},
+             "deployment": {"replicas": 2, "max_ongoing_requests": 4, "request_timeout_s": 10}}
+    app = make_gateway(tmp_path, local_never, {"p": local_never}, extra={"models": [model]})
+    gw = app.state.gateway
+    m = gw.models["m"]
+    gw.health.app_names = {"m": "m"}
+    assert m.app.capacity == 8
+    gw.health.refresh_from(serve_status(running=1))
+    assert (m.app.capacity, m.local.tracker.capacity) == (4, 4)
+    client = await started_client(app)
+    state = (await client.get("/admin/state", headers=ADMIN)).json()["models"]["m"]
+    assert state["capacity"] == 4
+    for _ in range(6):  # six requests in flight: over the half capacity left, under the whole
+        m.local.tracker.on_start()
+    during = gw.router.estimate(m)
+    gw.health.refresh_from(serve_status(running=2, state="HEALTHY"))
+    assert (m.app.capacity, m.local.tracker.capacity) == (8, 8)
+    assert during > gw.router.estimate(m)  # the same load, counted against half the capacity: a longer wait

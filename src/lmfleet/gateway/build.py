@@ -25,6 +25,7 @@ from lmfleet.gateway.front.access import GatewayConfigError, allowed_hosts, chec
 from lmfleet.gateway.app import create_app
 from lmfleet.gateway.routing.backends import LocalBackend, ProviderBackend
 from lmfleet.gateway.routing.health import HealthBoard
+from lmfleet.gateway.routing.live import RunningCapacity
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.routing.pollers import EngineStatsPoller
 from lmfleet.gateway.routing.router import Router
@@ -214,6 +215,7 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
             threshold_ms=a.threshold_ms, queue=DispatchQueue(_queue_slots(a)) if fleet.tenants else None,
             timers=PolicyTimers.from_config(c.overflow), margin=MissMargin(c.overflow.miss_quantile))
 
+    health.on_refresh = RunningCapacity(models, health).update  # a rollout's missing replicas count as busy
     engine_stats = None
     if fetch_engine_metrics is not None and fleet.gateway.engine_metrics_poll_s > 0:
         engine_stats = EngineStatsPoller({n: m.local.tracker for n, m in models.items()}, fetch_engine_metrics,

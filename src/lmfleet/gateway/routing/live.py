@@ -11,17 +11,22 @@ What "a request finishes under the settings it was admitted with" rests on:
   run copies the timers and the threshold when it starts (:class:`~lmfleet.gateway.relay.run.RequestRun`).
 
 Values the operator changed at run time (``POST /admin/overflow``) stay unless the new version changes that key.
+
+:class:`RunningCapacity`: while a model runs fewer replicas than configured (its engines being replaced, a node
+lost), its capacity counts only the running ones (:func:`lmfleet.overflow.estimator.serving_capacity`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lmfleet.config.diff import APPLIED_LIVE, Change, diff_fleets
 from lmfleet.config.models import FleetConfig
 from lmfleet.gateway.routing.backends import ProviderBackend
+from lmfleet.gateway.routing.health import HealthBoard
 from lmfleet.gateway.routing.served import ServedModel
+from lmfleet.overflow.estimator import serving_capacity
 from lmfleet.overflow.policies import PolicyTimers
 
 log = logging.getLogger("lmfleet.gateway")
@@ -78,3 +83,23 @@ class LiveFleet:
                 m.threshold_ms = n.threshold_ms
             if any(getattr(n, k) != getattr(o, k) for k in _TIMER_KEYS):
                 m.timers = PolicyTimers.from_config(n)
+
+
+class RunningCapacity:
+    """Each model's capacity (``ModelApp.capacity`` and its load tracker's) follows its running replicas, as
+    Serve's status reports them to ``health``; call :meth:`update` after each refresh."""
+
+    def __init__(self, models: dict[str, ServedModel], health: HealthBoard) -> None:
+        self._models = models
+        self._health = health
+        self._full = {name: m.app.capacity for name, m in models.items()}
+
+    def update(self) -> None:
+        for name, m in self._models.items():
+            h = self._health.models.get(name)
+            capacity = serving_capacity(m.app.cfg, self._full[name], h.running_replicas if h is not None else 0)
+            if capacity != m.app.capacity:
+                log.info("gateway: model %s: capacity %d -> %d (%d replicas running)", name, m.app.capacity,
+                         capacity, h.running_replicas if h is not None else 0)
+                m.app = replace(m.app, capacity=capacity)
+                m.local.tracker.capacity = capacity
