@@ -95,6 +95,19 @@ async def test_threshold_and_policy_swap_and_an_operator_override_stays_unless_c
     assert (m.threshold_ms, m.timers.policy) == (1500.0, Policy.HEDGE)
 
 
+async def test_overflow_switched_off_keeps_new_requests_local(tmp_path) -> None:
+    app = make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m")),
+                       {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))})
+    gw = app.state.gateway
+    c = await started_client(app)
+    await c.post("/admin/overflow", json={"threshold_ms": 1}, headers=ADMIN)  # every estimate is over it
+    assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "provider/p"
+    live = LiveFleet(running_fleet(app), gw.models, gw.providers)
+    live.take(changed(live.fleet, models__overflow__enabled=False, models__overflow__hysteresis=0.5))
+    assert gw.models["m"].app.cfg.overflow.hysteresis == 0.5 and gw.models["m"].threshold_ms == 1
+    assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "local/m"
+
+
 async def test_changes_a_process_cannot_take_live_are_reported_and_left(tmp_path) -> None:
     app = make_gateway(tmp_path, local_never, {"p": local_never})
     gw = app.state.gateway

@@ -111,7 +111,8 @@ APPLIED_LIVE: frozenset[str] = frozenset({
     "providers[].price.input_per_1m", "providers[].price.output_per_1m", "providers[].timeouts.total_s", "providers[].timeouts.first_token_s", "providers[].max_retries",
     "providers[].breaker.backoff_base_s", "providers[].breaker.backoff_cap_s",
     "models[].overflow.threshold_ms", "models[].overflow.policy", "models[].overflow.ttft_timeout_ms",
-    "models[].overflow.hedge_after_ms",
+    "models[].overflow.hedge_after_ms", "models[].overflow.enabled", "models[].overflow.hysteresis",
+    "models[].overflow.cold_service_s", "models[].overflow.cold_ttft_s",
 })
 """The keys ``lmfleet apply`` carries out on a running fleet today (a subset of the ``none`` rows: what every
 gateway swaps in when the stored version moves, :mod:`lmfleet.gateway.routing.live`). A file that changes any

@@ -7,8 +7,9 @@ What "a request finishes under the settings it was admitted with" rests on:
   (:meth:`~lmfleet.gateway.routing.backends.ProviderBackend.with_config`: same pool, breaker, budget, key); a
   request's plan holds the backends it was routed to, so it keeps the old one: its timeouts, retries, budget
   reservation and price (the ledger's cost) are those in force when it was admitted;
-* a model's provider list is replaced by one assignment, as are its threshold and its policy timers; a request
-  run copies the timers and the threshold when it starts (:class:`~lmfleet.gateway.relay.run.RequestRun`).
+* a model's provider list is replaced by one assignment, as are its threshold, its policy timers and its
+  overflow section (``enabled``, ``hysteresis``, the cold-start figures: read by the router at admission); a
+  request run copies the timers and the threshold when it starts (:class:`~lmfleet.gateway.relay.run.RequestRun`).
 
 Values the operator changed at run time (``POST /admin/overflow``) stay unless the new version changes that key.
 
@@ -79,6 +80,8 @@ class LiveFleet:
                 continue
             m.providers = [fresh[p.name] for p in m.providers]
             o, n = before.overflow, after.overflow
+            if n != o:  # the router reads enabled, hysteresis and the cold-start figures from here at admission
+                m.app = replace(m.app, cfg=m.app.cfg.model_copy(update={"overflow": n}))
             if n.threshold_ms != o.threshold_ms:
                 m.threshold_ms = n.threshold_ms
             if any(getattr(n, k) != getattr(o, k) for k in _TIMER_KEYS):
