@@ -18,7 +18,7 @@ from rich.text import Text
 
 from lmfleet.cli.common import fail, load_or_exit
 from lmfleet.cluster.fleet_store import FleetStore, VersionConflict
-from lmfleet.config.diff import APPLIED_LIVE, Change
+from lmfleet.config.diff import APPLIED_LIVE, Change, diff_fleets
 from lmfleet.config.models import FleetConfig
 
 EXIT_REFUSED = 1
@@ -77,10 +77,8 @@ def apply(
     store = open_store(address, new)
     running = store.read()
     if running is None:
-        fail("the cluster holds no running fleet: `lmfleet serve` stores its fleet when it starts (lmfleet before "
-             "`apply` did not); start the fleet with this version of lmfleet", EXIT_REFUSED)
-    from lmfleet.config.diff import diff_fleets
-
+        fail("the cluster holds no running fleet: `lmfleet serve` stores the fleet it runs once its models are "
+             "deployed (a version of lmfleet with `apply`); is the fleet started, on this cluster?", EXIT_REFUSED)
     changes = diff_fleets(running.fleet, new)
     console = Console(width=160, soft_wrap=False)
     if not changes:

@@ -108,8 +108,9 @@ _rows("gateway", "none", "models[].overflow.", "enabled threshold_ms hysteresis 
       "signal_window_s cold_service_s cold_ttft_s local_first_token_timeout_s policy ttft_timeout_ms hedge_after_ms")
 
 APPLIED_LIVE: frozenset[str] = frozenset({
-    "providers[].price.input_per_1m", "providers[].price.output_per_1m", "providers[].timeouts.total_s", "providers[].timeouts.first_token_s", "providers[].max_retries",
-    "providers[].breaker.backoff_base_s", "providers[].breaker.backoff_cap_s",
+    "providers[].price.input_per_1m", "providers[].price.output_per_1m", "providers[].timeouts.total_s",
+    "providers[].timeouts.first_token_s", "providers[].max_retries", "providers[].breaker.backoff_base_s",
+    "providers[].breaker.backoff_cap_s",
     "models[].overflow.threshold_ms", "models[].overflow.policy", "models[].overflow.ttft_timeout_ms",
     "models[].overflow.hedge_after_ms", "models[].overflow.enabled", "models[].overflow.hysteresis",
     "models[].overflow.cold_service_s", "models[].overflow.cold_ttft_s",
