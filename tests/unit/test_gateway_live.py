@@ -62,6 +62,7 @@ async def test_a_request_admitted_before_a_price_change_is_priced_as_admitted(tm
         await asyncio.sleep(0.01)
     taken = live.take(changed(old, providers__price__input_per_1m=10.0, providers__price__output_per_1m=20.0))
     assert [ch.path for ch in taken.applied] == ["providers[p].price.input_per_1m", "providers[p].price.output_per_1m"]
+    assert gw.providers["p"].in_flight == 1  # the request admitted under the old settings counts against the cap
     release.set()
     assert (await first).status_code == 200
     assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
@@ -78,6 +79,7 @@ async def test_the_new_backend_shares_the_pool_breaker_and_budget(tmp_path) -> N
     live.take(changed(live.fleet, providers__timeouts__total_s=42.0, providers__max_retries=0))
     after = gw.providers["p"]
     assert after is not before and gw.models["m"].providers == [after]
+
     assert (after.client, after.breaker, after.budget) == (before.client, before.breaker, before.budget)
     assert after.endpoint("m", has_fallback=False).total_timeout_s == 42.0 and after.attempts(last=True) == 1
     assert before.endpoint("m", has_fallback=False).total_timeout_s != 42.0  # what requests in flight keep
