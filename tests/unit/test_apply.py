@@ -118,6 +118,15 @@ def test_changes_that_cannot_be_applied_live_change_nothing(tmp_path: Path, stor
     assert store.current_version() == 1
 
 
+def test_a_budget_cap_applies_where_the_running_fleet_has_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    running = FleetStore(MemoryKV())
+    running.publish(parse_config(fleet_with(budget={"daily_usd": 50.0})), source="serve fleet.yaml")
+    monkeypatch.setattr(apply_cli, "open_store", lambda address, fleet: running)
+    result = run_apply(tmp_path, fleet_with(budget={"daily_usd": 20.0, "hourly_usd": 2.0}))
+    assert result.exit_code == 0, result.output
+    assert running.read().fleet.budget.hourly_usd == 2.0
+
+
 def test_no_change(tmp_path: Path, store: FleetStore) -> None:
     result = run_apply(tmp_path, BASE)
     assert result.exit_code == 0 and "no change from the running fleet (version 1)" in result.output

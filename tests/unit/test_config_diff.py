@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from lmfleet.config import parse_config
-from lmfleet.config.diff import APPLIED_LIVE, CLASSIFICATION, COSTS, Change, classify, diff_fleets, needs_restart, schema_paths
+from lmfleet.config.diff import APPLIED_LIVE, CLASSIFICATION, applies_live, COSTS, Change, classify, diff_fleets, needs_restart, schema_paths
 from lmfleet.config.redact import MASK
 
 SECRET = "supersecret123"
@@ -146,3 +146,26 @@ def test_every_key_of_the_fleet_file_is_classified() -> None:
 
 def test_keys_applied_live_are_gateway_settings_that_cost_nothing() -> None:
     assert APPLIED_LIVE and all(CLASSIFICATION[k] == ("gateway", "none") for k in APPLIED_LIVE)
+
+
+@pytest.mark.parametrize(("running", "edit", "value", "live"), [
+    ({}, "providers.0.price.input_per_1m", 3.0, True),
+    ({}, "budget.on_exhausted", "reject", True),
+    ({}, "budget.hourly_usd", 5.0, False),  # no spend store to enforce a first cap with
+    ({"budget": {"daily_usd": 50.0}}, "budget.hourly_usd", 5.0, True),
+    ({"tenants": [{"name": "acme", "api_keys_env": "ACME_KEYS", "limits": {"daily_usd": 1.0}}]},
+     "budget.daily_usd", 5.0, True),
+    ({}, "models.0.deployment.replicas", 2, False),
+    ({}, "gateway.port", 9000, False),
+])
+def test_applies_live(running: dict, edit: str, value: Any, live: bool) -> None:
+    base = {**BASE, **running}
+    old = parse_config(base)
+    data = copy.deepcopy(base)
+    *parents, last = edit.split(".")
+    node: Any = data
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
+    node[last] = value
+    [change] = diff_fleets(old, parse_config(data))
+    assert applies_live(change, old) is live

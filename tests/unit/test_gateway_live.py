@@ -24,7 +24,8 @@ def running_fleet(app: Any) -> FleetConfig:
     """The fleet make_gateway built ``app`` from (the sections LiveFleet reads)."""
     gw = app.state.gateway
     return parse_config({"models": [m.app.cfg.model_dump() for m in gw.models.values()],
-                         "providers": [p.cfg.model_dump() for p in gw.providers.values()]})
+                         "providers": [p.cfg.model_dump() for p in gw.providers.values()],
+                         "budget": gw.router.budget.model_dump()})
 
 
 def changed(fleet: FleetConfig, **edits: Any) -> FleetConfig:
@@ -56,7 +57,7 @@ async def test_a_request_admitted_before_a_price_change_is_priced_as_admitted(tm
     c = await started_client(app)
     assert (await c.post("/admin/overflow", json={"mode": "force_on"}, headers=ADMIN)).status_code == 200
     old = running_fleet(app)
-    live = LiveFleet(old, gw.models, gw.providers)
+    live = LiveFleet(old, gw.router, gw.providers)
     first = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
     while gw.providers["p"].in_flight == 0:
         await asyncio.sleep(0.01)
@@ -75,7 +76,7 @@ async def test_the_new_backend_shares_the_pool_breaker_and_budget(tmp_path) -> N
     app = make_gateway(tmp_path, local_never, {"p": local_never})
     gw = app.state.gateway
     before = gw.providers["p"]
-    live = LiveFleet(running_fleet(app), gw.models, gw.providers)
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers)
     live.take(changed(live.fleet, providers__timeouts__total_s=42.0, providers__max_retries=0))
     after = gw.providers["p"]
     assert after is not before and gw.models["m"].providers == [after]
@@ -89,7 +90,7 @@ async def test_threshold_and_policy_swap_and_an_operator_override_stays_unless_c
     app = make_gateway(tmp_path, local_never, {"p": local_never})
     gw = app.state.gateway
     m = gw.models["m"]
-    live = LiveFleet(running_fleet(app), gw.models, gw.providers)
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers)
     m.threshold_ms = 333.0  # POST /admin/overflow meanwhile
     live.take(changed(live.fleet, models__overflow__policy="hedge", models__overflow__hedge_after_ms=200.0))
     assert (m.timers.policy, m.timers.hedge_after_ms, m.threshold_ms) == (Policy.HEDGE, 200.0, 333.0)
@@ -104,7 +105,7 @@ async def test_overflow_switched_off_keeps_new_requests_local(tmp_path) -> None:
     c = await started_client(app)
     await c.post("/admin/overflow", json={"threshold_ms": 1}, headers=ADMIN)  # every estimate is over it
     assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "provider/p"
-    live = LiveFleet(running_fleet(app), gw.models, gw.providers)
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers)
     live.take(changed(live.fleet, models__overflow__enabled=False, models__overflow__hysteresis=0.5))
     assert gw.models["m"].app.cfg.overflow.hysteresis == 0.5 and gw.models["m"].threshold_ms == 1
     assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "local/m"
@@ -113,7 +114,7 @@ async def test_overflow_switched_off_keeps_new_requests_local(tmp_path) -> None:
 async def test_changes_a_process_cannot_take_live_are_reported_and_left(tmp_path) -> None:
     app = make_gateway(tmp_path, local_never, {"p": local_never})
     gw = app.state.gateway
-    live = LiveFleet(running_fleet(app), gw.models, gw.providers)
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers)
     before = gw.providers["p"]
     taken = live.take(changed(live.fleet, gateway__port=9000, models__deployment__replicas=3))
     assert taken.applied == [] and [c.path for c in taken.ignored] == ["gateway.port", "models[m].deployment.replicas"]
@@ -150,3 +151,21 @@ async def test_while_replicas_are_replaced_the_capacity_counts_only_the_running_
     gw.health.refresh_from(serve_status(running=2, state="HEALTHY"))
     assert (m.app.capacity, m.local.tracker.capacity) == (8, 8)
     assert during > gw.router.estimate(m)  # the same load, counted against half the capacity: a longer wait
+
+
+async def test_a_budget_cap_changes_live_where_the_gateway_holds_a_spend_store(tmp_path) -> None:
+    from lmfleet.store import caps_for_budget
+
+    app = make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m")),
+                       {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))},
+                       extra={"budget": {"hourly_usd": 100.0}})
+    gw = app.state.gateway
+    c = await started_client(app)
+    await c.post("/admin/overflow", json={"mode": "force_on"}, headers=ADMIN)
+    assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "provider/p"
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers)
+    taken = live.take(changed(live.fleet, budget__hourly_usd=0.0))
+    assert [ch.path for ch in taken.applied] == ["budget.hourly_usd"]
+    assert gw.router.budget.hourly_usd == 0.0 and gw.router.guard.caps == caps_for_budget(gw.router.budget)
+    # the cap is spent: the next request stays local (on_exhausted: queue)
+    assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "local/m"

@@ -18,15 +18,15 @@ from rich.text import Text
 
 from lmfleet.cli.common import fail, load_or_exit
 from lmfleet.cluster.fleet_store import FleetStore, VersionConflict
-from lmfleet.config.diff import APPLIED_LIVE, Change, diff_fleets
+from lmfleet.config.diff import Change, applies_live, diff_fleets
 from lmfleet.config.models import FleetConfig
 
 EXIT_REFUSED = 1
 
 
-def refused(changes: list[Change]) -> list[Change]:
+def refused(changes: list[Change], running: FleetConfig) -> list[Change]:
     """The changes ``apply`` will not carry out on the running fleet (any of them: nothing is applied)."""
-    return [c for c in changes if c.schema_path not in APPLIED_LIVE]
+    return [c for c in changes if not applies_live(c, running)]
 
 
 def _cell(value: object, item: bool) -> str:
@@ -35,13 +35,13 @@ def _cell(value: object, item: bool) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def changes_table(changes: list[Change], title: str) -> Table:
+def changes_table(changes: list[Change], title: str, blocked: list[Change]) -> Table:
     """One row per change: key, where, cost, old and new value (secrets already masked by the diff)."""
     table = Table(title=Text(title), title_justify="left")
     for column in ("key", "where", "cost", "running", "new"):
         table.add_column(column, overflow="fold")
     for c in changes:
-        style = "red" if c.cost == "restart needed" else "yellow" if c.schema_path not in APPLIED_LIVE else None
+        style = "red" if c.cost == "restart needed" else "yellow" if c in blocked else None
         item = c.schema_path.endswith("[]")
         # Text, not markup: "models[m]" would be read as a style tag
         cells = (c.path, c.where, c.cost, _cell(c.old, item), _cell(c.new, item))
@@ -84,9 +84,9 @@ def apply(
     if not changes:
         typer.echo(f"{config}: no change from the running fleet (version {running.version})")
         raise typer.Exit(0)
+    blocked = refused(changes, running.fleet)
     console.print(changes_table(changes, f"{config} against the running fleet (version {running.version}, "
-                                         f"{running.source})"))
-    blocked = refused(changes)
+                                         f"{running.source})", blocked))
     if dry_run:
         note = f"; {len(blocked)} cannot be applied live yet" if blocked else ""
         typer.echo(f"dry run: {len(changes)} change(s){note}; nothing changed")

@@ -37,8 +37,8 @@ from pydantic import BaseModel
 from lmfleet.config.fleet import FleetConfig
 from lmfleet.config.redact import redact
 
-__all__ = ["APPLIED_LIVE", "CLASSIFICATION", "COSTS", "Change", "Cost", "Where", "classify", "diff_fleets", "needs_restart",
-           "schema_paths"]
+__all__ = ["APPLIED_LIVE", "CLASSIFICATION", "COSTS", "Change", "Cost", "Where", "applies_live", "classify",
+           "diff_fleets", "has_spend_store", "needs_restart", "schema_paths"]
 
 Cost = Literal["none", "in place", "replica replacement", "new model", "model removed", "restart needed"]
 Where = Literal["gateway", "serve", "engine", "cluster"]
@@ -113,11 +113,27 @@ APPLIED_LIVE: frozenset[str] = frozenset({
     "providers[].breaker.backoff_cap_s",
     "models[].overflow.threshold_ms", "models[].overflow.policy", "models[].overflow.ttft_timeout_ms",
     "models[].overflow.hedge_after_ms", "models[].overflow.enabled", "models[].overflow.hysteresis",
-    "models[].overflow.cold_service_s", "models[].overflow.cold_ttft_s",
+    "models[].overflow.cold_service_s", "models[].overflow.cold_ttft_s", "budget.on_exhausted",
 })
 """The keys ``lmfleet apply`` carries out on a running fleet today (a subset of the ``none`` rows: what every
 gateway swaps in when the stored version moves, :mod:`lmfleet.gateway.routing.live`). A file that changes any
-other key is refused whole: nothing changes."""
+other key is refused whole: nothing changes. :func:`applies_live` adds the budget's caps when the running fleet
+has a spend store."""
+
+SPEND_CAP_KEYS = frozenset({"budget.hourly_usd", "budget.daily_usd"})
+
+
+def has_spend_store(fleet: FleetConfig) -> bool:
+    """Whether the gateways of ``fleet`` hold a spend store: it is opened at start when a USD cap is set (the
+    budget's or a tenant's), and changing a cap live needs one."""
+    caps = [fleet.budget, *(t.limits for t in fleet.tenants)]
+    return any(c.hourly_usd is not None or c.daily_usd is not None for c in caps)
+
+
+def applies_live(change: "Change", running: FleetConfig) -> bool:
+    """Whether ``lmfleet apply`` carries out ``change`` on the ``running`` fleet: a key of :data:`APPLIED_LIVE`, or
+    a budget cap where the running fleet's gateways hold a spend store (:func:`has_spend_store`)."""
+    return change.schema_path in APPLIED_LIVE or (change.schema_path in SPEND_CAP_KEYS and has_spend_store(running))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ What "a request finishes under the settings it was admitted with" rests on:
   (:meth:`~lmfleet.gateway.routing.backends.ProviderBackend.with_config`: same pool, breaker, budget, key); a
   request's plan holds the backends it was routed to, so it keeps the old one: its timeouts, retries, budget
   reservation and price (the ledger's cost) are those in force when it was admitted;
+* the budget (its caps, ``on_exhausted``) is replaced by one assignment each in the router and the spend guard;
+  a reservation already held stays;
 * a model's provider list is replaced by one assignment, as are its threshold, its policy timers and its
   overflow section (``enabled``, ``hysteresis``, the cold-start figures: read by the router at admission); a
   request run copies the timers and the threshold when it starts (:class:`~lmfleet.gateway.relay.run.RequestRun`).
@@ -22,13 +24,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from lmfleet.config.diff import APPLIED_LIVE, Change, diff_fleets
+from lmfleet.config.diff import Change, applies_live, diff_fleets
 from lmfleet.config.models import FleetConfig
 from lmfleet.gateway.routing.backends import ProviderBackend
 from lmfleet.gateway.routing.health import HealthBoard
+from lmfleet.gateway.routing.router import Router
 from lmfleet.gateway.routing.served import ServedModel
 from lmfleet.overflow.estimator import serving_capacity
 from lmfleet.overflow.policies import PolicyTimers
+from lmfleet.store import caps_for_budget
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -48,17 +52,17 @@ class Taken:
 class LiveFleet:
     """The fleet this gateway process runs under, and the swap to a new version."""
 
-    def __init__(self, fleet: FleetConfig, models: dict[str, ServedModel],
-                 providers: dict[str, ProviderBackend]) -> None:
+    def __init__(self, fleet: FleetConfig, router: Router, providers: dict[str, ProviderBackend]) -> None:
         self.fleet = fleet
-        self._models = models
+        self._router = router
+        self._models = router.models
         self._providers = providers
 
     def take(self, new: FleetConfig) -> Taken:
         """Swap in ``new``'s live keys; returns what changed and what could not."""
         changes = diff_fleets(self.fleet, new)
-        applied = [c for c in changes if c.schema_path in APPLIED_LIVE]
-        ignored = [c for c in changes if c.schema_path not in APPLIED_LIVE]
+        applied = [c for c in changes if applies_live(c, self.fleet)]
+        ignored = [c for c in changes if not applies_live(c, self.fleet)]
         if applied:
             self._swap(self.fleet, new)
         self.fleet = new
@@ -68,6 +72,10 @@ class LiveFleet:
         return Taken(applied, ignored)
 
     def _swap(self, old: FleetConfig, new: FleetConfig) -> None:
+        if new.budget != old.budget:  # the router reads it at admission; the guard's caps at each reservation
+            self._router.budget = new.budget
+            if self._router.guard is not None:
+                self._router.guard.caps = caps_for_budget(new.budget)
         fresh = dict(self._providers)
         for cfg in new.providers:
             backend = self._providers.get(cfg.name)
