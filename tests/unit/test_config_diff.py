@@ -22,9 +22,9 @@ BASE: dict[str, Any] = {
 }
 
 
-def edited(path: str, value: Any) -> dict[str, Any]:
-    """BASE with ``path`` (dots; a number picks a list item) set to ``value``; ``value`` DELETE removes it."""
-    data = copy.deepcopy(BASE)
+def edited(path: str, value: Any, base: dict[str, Any] = BASE) -> dict[str, Any]:
+    """``base`` with ``path`` (dots; a number picks a list item) set to ``value``; ``value`` DELETE removes it."""
+    data = copy.deepcopy(base)
     *parents, last = path.split(".")
     node: Any = data
     for part in parents:
@@ -45,7 +45,7 @@ NEW_PROVIDER = {"name": "q", "base_url": "https://q.example.com/v1", "model_map"
 CASES = [
     ("providers.0.price.input_per_1m", 3.0, "providers[p].price.input_per_1m", "gateway", "none"),
     ("providers.1", NEW_PROVIDER, "providers[q]", "gateway", "none"),
-    ("providers.0.api_key_env", "P_KEY_2", "providers[p].api_key_env", "gateway", "none"),
+    ("providers.0.api_key_env", "P_KEY_2", "providers[p].api_key_env", "gateway", "restart needed"),
     ("providers.0.timeouts.total_s", 60.0, "providers[p].timeouts.total_s", "gateway", "none"),
     ("providers.0.breaker.cooldown_s", 5.0, "providers[p].breaker.cooldown_s", "gateway", "none"),
     ("budget.hourly_usd", 5.0, "budget.hourly_usd", "gateway", "none"),
@@ -157,15 +157,12 @@ def test_keys_applied_live_are_gateway_settings_that_cost_nothing() -> None:
      "budget.daily_usd", 5.0, True),
     ({}, "models.0.deployment.replicas", 2, False),
     ({}, "gateway.port", 9000, False),
+    ({}, "providers.0.api_key_env", "OTHER_KEY", False),  # a running process's environment is fixed
+    ({}, "providers.1", NEW_PROVIDER, True),
+    ({}, "providers.0.base_url", "https://other.example.com/v1", True),
 ])
 def test_applies_live(running: dict, edit: str, value: Any, live: bool) -> None:
     base = {**BASE, **running}
     old = parse_config(base)
-    data = copy.deepcopy(base)
-    *parents, last = edit.split(".")
-    node: Any = data
-    for part in parents:
-        node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
-    node[last] = value
-    [change] = diff_fleets(old, parse_config(data))
+    [change] = diff_fleets(old, parse_config(edited(edit, value, base)))
     assert applies_live(change, old) is live

@@ -57,7 +57,7 @@ async def test_a_request_admitted_before_a_price_change_is_priced_as_admitted(tm
     c = await started_client(app)
     assert (await c.post("/admin/overflow", json={"mode": "force_on"}, headers=ADMIN)).status_code == 200
     old = running_fleet(app)
-    live = LiveFleet(old, gw.router, gw.providers)
+    live = LiveFleet(old, gw.router, gw.providers, gw.clients)
     first = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
     while gw.providers["p"].in_flight == 0:
         await asyncio.sleep(0.01)
@@ -76,7 +76,7 @@ async def test_the_new_backend_shares_the_pool_breaker_and_budget(tmp_path) -> N
     app = make_gateway(tmp_path, local_never, {"p": local_never})
     gw = app.state.gateway
     before = gw.providers["p"]
-    live = LiveFleet(running_fleet(app), gw.router, gw.providers)
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
     live.take(changed(live.fleet, providers__timeouts__total_s=42.0, providers__max_retries=0))
     after = gw.providers["p"]
     assert after is not before and gw.models["m"].providers == [after]
@@ -90,7 +90,7 @@ async def test_threshold_and_policy_swap_and_an_operator_override_stays_unless_c
     app = make_gateway(tmp_path, local_never, {"p": local_never})
     gw = app.state.gateway
     m = gw.models["m"]
-    live = LiveFleet(running_fleet(app), gw.router, gw.providers)
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
     m.threshold_ms = 333.0  # POST /admin/overflow meanwhile
     live.take(changed(live.fleet, models__overflow__policy="hedge", models__overflow__hedge_after_ms=200.0))
     assert (m.timers.policy, m.timers.hedge_after_ms, m.threshold_ms) == (Policy.HEDGE, 200.0, 333.0)
@@ -105,7 +105,7 @@ async def test_overflow_switched_off_keeps_new_requests_local(tmp_path) -> None:
     c = await started_client(app)
     await c.post("/admin/overflow", json={"threshold_ms": 1}, headers=ADMIN)  # every estimate is over it
     assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "provider/p"
-    live = LiveFleet(running_fleet(app), gw.router, gw.providers)
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
     live.take(changed(live.fleet, models__overflow__enabled=False, models__overflow__hysteresis=0.5))
     assert gw.models["m"].app.cfg.overflow.hysteresis == 0.5 and gw.models["m"].threshold_ms == 1
     assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "local/m"
@@ -114,7 +114,7 @@ async def test_overflow_switched_off_keeps_new_requests_local(tmp_path) -> None:
 async def test_changes_a_process_cannot_take_live_are_reported_and_left(tmp_path) -> None:
     app = make_gateway(tmp_path, local_never, {"p": local_never})
     gw = app.state.gateway
-    live = LiveFleet(running_fleet(app), gw.router, gw.providers)
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
     before = gw.providers["p"]
     taken = live.take(changed(live.fleet, gateway__port=9000, models__deployment__replicas=3))
     assert taken.applied == [] and [c.path for c in taken.ignored] == ["gateway.port", "models[m].deployment.replicas"]
@@ -163,9 +163,31 @@ async def test_a_budget_cap_changes_live_where_the_gateway_holds_a_spend_store(t
     c = await started_client(app)
     await c.post("/admin/overflow", json={"mode": "force_on"}, headers=ADMIN)
     assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "provider/p"
-    live = LiveFleet(running_fleet(app), gw.router, gw.providers)
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
     taken = live.take(changed(live.fleet, budget__hourly_usd=0.0))
     assert [ch.path for ch in taken.applied] == ["budget.hourly_usd"]
     assert gw.router.budget.hourly_usd == 0.0 and gw.router.guard.caps == caps_for_budget(gw.router.budget)
     # the cap is spent: the next request stays local (on_exhausted: queue)
     assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "local/m"
+
+
+async def test_a_provider_added_and_one_removed(tmp_path) -> None:
+    from lmfleet.testing.gateway_fakes import fake_backend
+
+    app = make_gateway(tmp_path, local_never, {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))})
+    gw = app.state.gateway
+    c = await started_client(app)
+    await c.post("/admin/overflow", json={"mode": "force_on"}, headers=ADMIN)
+    old_p = gw.providers["p"]
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
+    data = live.fleet.model_dump(mode="json")
+    q = {"name": "q", "base_url": fake_backend(lambda req: httpx.Response(200, json=chat_json("q-model"))) + "/v1",
+         "model_map": {"m": "q-model"}, "price": {"input_per_1m": 5.0}}
+    data["providers"] = [q]
+    taken = live.take(parse_config(data))
+    assert [ch.path for ch in taken.applied] == ["providers[q]", "providers[p]"]
+    assert list(gw.providers) == ["q"] and gw.models["m"].providers == [gw.providers["q"]]
+    assert gw.providers["q"].client in gw.clients  # closed with the gateway
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/q"
+    assert old_p.in_flight == 0

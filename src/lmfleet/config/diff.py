@@ -72,11 +72,13 @@ _rows("gateway", "none", "gateway.", "api_keys_env api_keys_file max_body_bytes 
 _rows("gateway", "restart needed", "ledger.", "path url password_env connect_timeout_s reservation_ttl_s")
 _rows("gateway", "restart needed", "observability.", "otlp_endpoint service_name sample_ratio")
 _rows("gateway", "none", "budget.", "hourly_usd daily_usd on_exhausted")
-_rows("gateway", "none", "providers", "[] [].name [].base_url [].api_key_env [].model_map [].dialect "
+_rows("gateway", "none", "providers", "[] [].name [].base_url [].model_map [].dialect "
       "[].price.input_per_1m [].price.output_per_1m [].timeouts.connect_s [].timeouts.total_s "
       "[].timeouts.first_token_s [].max_concurrency [].max_retries [].breaker.consecutive_failures "
       "[].breaker.error_rate [].breaker.window [].breaker.cooldown_s [].breaker.min_requests "
       "[].breaker.backoff_base_s [].breaker.backoff_cap_s")
+# a running process's environment is fixed: a new variable name is read where the process starts
+_rows("gateway", "restart needed", "providers", "[].api_key_env")
 _rows("gateway", "none", "tenants", "[] [].name [].api_keys_env [].api_keys_file [].limits.requests_per_minute "
       "[].limits.tokens_per_minute [].limits.max_concurrency [].limits.hourly_usd [].limits.daily_usd [].models "
       "[].priority [].max_priority [].batch_may_use_providers")
@@ -108,9 +110,8 @@ _rows("gateway", "none", "models[].overflow.", "enabled threshold_ms hysteresis 
       "signal_window_s cold_service_s cold_ttft_s local_first_token_timeout_s policy ttft_timeout_ms hedge_after_ms")
 
 APPLIED_LIVE: frozenset[str] = frozenset({
-    "providers[].price.input_per_1m", "providers[].price.output_per_1m", "providers[].timeouts.total_s",
-    "providers[].timeouts.first_token_s", "providers[].max_retries", "providers[].breaker.backoff_base_s",
-    "providers[].breaker.backoff_cap_s",
+    *(path for path in CLASSIFICATION if path.startswith("providers[]") and path != "providers[].api_key_env"),
+    "models[].overflow.providers",
     "models[].overflow.threshold_ms", "models[].overflow.policy", "models[].overflow.ttft_timeout_ms",
     "models[].overflow.hedge_after_ms", "models[].overflow.enabled", "models[].overflow.hysteresis",
     "models[].overflow.cold_service_s", "models[].overflow.cold_ttft_s", "budget.on_exhausted",

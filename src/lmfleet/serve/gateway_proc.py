@@ -142,7 +142,7 @@ def attach_fleet_watch(app: Any, fleet: FleetConfig) -> None:
 
     gw = app.state.gateway
     store = FleetStore(RayKV())
-    live = LiveFleet(fleet, gw.router, gw.providers)
+    live = LiveFleet(fleet, gw.router, gw.providers, gw.clients)
 
     async def take(version: int) -> None:
         stored = await asyncio.to_thread(store.read, version)

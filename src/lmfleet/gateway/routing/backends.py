@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +146,18 @@ class ProviderBackend:
         self._headers = self.dialect.auth_headers(api_key)
         self.breaker = breaker
         self._in_flight = [0]  # one count for this provider across its with_config twins
+
+    @classmethod
+    def from_config(cls, cfg: ProviderConfig, environ: Mapping[str, str],
+                    budget: BudgetGuard | None = None) -> "ProviderBackend":
+        """A provider with its own connection pool and breaker; its key from ``environ`` (a warning, and no key,
+        when the variable is not set)."""
+        key = environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        if cfg.api_key_env and not key:
+            log.warning("provider %s: environment variable %s is not set; sending no API key", cfg.name,
+                        cfg.api_key_env)
+        client = HttpPool(max_connections=cfg.max_concurrency or 1000, connect_timeout_s=cfg.timeouts.connect_s)
+        return cls(cfg, client, key, CircuitBreaker.from_config(cfg.breaker), budget)
 
     def with_config(self, cfg: ProviderConfig) -> "ProviderBackend":
         """This provider under new settings (``lmfleet apply``: prices, timeouts, retries): a new backend sharing

@@ -3,10 +3,12 @@
 
 What "a request finishes under the settings it was admitted with" rests on:
 
-* a provider whose settings change becomes a new :class:`~lmfleet.gateway.routing.backends.ProviderBackend`
-  (:meth:`~lmfleet.gateway.routing.backends.ProviderBackend.with_config`: same pool, breaker, budget, key); a
-  request's plan holds the backends it was routed to, so it keeps the old one: its timeouts, retries, budget
-  reservation and price (the ledger's cost) are those in force when it was admitted;
+* a provider whose settings change becomes a new :class:`~lmfleet.gateway.routing.backends.ProviderBackend`:
+  :meth:`~lmfleet.gateway.routing.backends.ProviderBackend.with_config` (same pool, breaker, budget, key) when
+  only prices, timeouts, retries, backoff or its model map change, else one of its own, as an added provider
+  gets; a request's plan holds the backends it was routed to, so it keeps the old one (a removed provider
+  included): its timeouts, retries, budget reservation and price (the ledger's cost) are those in force when it
+  was admitted;
 * the budget (its caps, ``on_exhausted``) is replaced by one assignment each in the router and the spend guard;
   a reservation already held stays;
 * a model's provider list is replaced by one assignment, as are its threshold, its policy timers and its
@@ -22,14 +24,18 @@ lost), its capacity counts only the running ones (:func:`lmfleet.overflow.estima
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from lmfleet.config.diff import Change, applies_live, diff_fleets
-from lmfleet.config.models import FleetConfig
+from lmfleet.config.models import FleetConfig, ProviderConfig
 from lmfleet.gateway.routing.backends import ProviderBackend
 from lmfleet.gateway.routing.health import HealthBoard
 from lmfleet.gateway.routing.router import Router
 from lmfleet.gateway.routing.served import ServedModel
+from lmfleet.gateway.relay.upstream import HttpPool
+from lmfleet.overflow import providers_for
 from lmfleet.overflow.estimator import serving_capacity
 from lmfleet.overflow.policies import PolicyTimers
 from lmfleet.store import caps_for_budget
@@ -37,6 +43,15 @@ from lmfleet.store import caps_for_budget
 log = logging.getLogger("lmfleet.gateway")
 
 _TIMER_KEYS = ("policy", "ttft_timeout_ms", "hedge_after_ms")
+
+
+def _same_transport(a: ProviderConfig, b: ProviderConfig) -> bool:
+    """Whether ``b`` can reuse ``a``'s connection pool, breaker and key (:meth:`ProviderBackend.with_config`):
+    the same endpoint, dialect, key variable, pool size, connect timeout and breaker thresholds."""
+    def transport(c: ProviderConfig) -> tuple:
+        breaker = c.breaker.model_dump(exclude={"backoff_base_s", "backoff_cap_s"})
+        return c.base_url, c.dialect, c.api_key_env, c.max_concurrency, c.timeouts.connect_s, breaker
+    return transport(a) == transport(b)
 
 
 @dataclass(frozen=True)
@@ -52,11 +67,15 @@ class Taken:
 class LiveFleet:
     """The fleet this gateway process runs under, and the swap to a new version."""
 
-    def __init__(self, fleet: FleetConfig, router: Router, providers: dict[str, ProviderBackend]) -> None:
+    def __init__(self, fleet: FleetConfig, router: Router, providers: dict[str, ProviderBackend],
+                 clients: list[HttpPool], environ: Mapping[str, str] | None = None) -> None:
         self.fleet = fleet
         self._router = router
         self._models = router.models
         self._providers = providers
+        self._clients = clients
+        """The gateway's connection pools (closed at shutdown): a new provider's pool joins them."""
+        self._environ = os.environ if environ is None else environ
 
     def take(self, new: FleetConfig) -> Taken:
         """Swap in ``new``'s live keys; returns what changed and what could not."""
@@ -76,17 +95,23 @@ class LiveFleet:
             self._router.budget = new.budget
             if self._router.guard is not None:
                 self._router.guard.caps = caps_for_budget(new.budget)
-        fresh = dict(self._providers)
+        fresh: dict[str, ProviderBackend] = {}
         for cfg in new.providers:
             backend = self._providers.get(cfg.name)
-            if backend is not None and backend.cfg != cfg:
-                fresh[cfg.name] = backend.with_config(cfg)
+            if backend is None or not _same_transport(backend.cfg, cfg):
+                backend = ProviderBackend.from_config(cfg, self._environ, self._router.guard)
+                self._clients.append(backend.client)
+            elif backend.cfg != cfg:
+                backend = backend.with_config(cfg)
+            fresh[cfg.name] = backend
+        for name in [n for n in self._providers if n not in fresh]:
+            del self._providers[name]  # requests routed to it keep it until they finish
         self._providers.update(fresh)
         for name, m in self._models.items():
             before, after = old.model(name), new.model(name)
             if before is None or after is None:
                 continue
-            m.providers = [fresh[p.name] for p in m.providers]
+            m.providers = [fresh[p.name] for p in providers_for(after, new.providers)]
             o, n = before.overflow, after.overflow
             if n != o:  # the router reads enabled, hysteresis and the cold-start figures from here at admission
                 m.app = replace(m.app, cfg=m.app.cfg.model_copy(update={"overflow": n}))
