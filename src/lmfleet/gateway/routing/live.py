@@ -1,5 +1,5 @@
-"""A running gateway takes a new version of the fleet (``lmfleet apply``): the keys of
-:data:`lmfleet.config.diff.APPLIED_LIVE`, swapped in without disturbing a request.
+"""A running gateway takes a new version of the fleet (``lmfleet apply``): the changes
+:func:`lmfleet.config.diff.applies_live` accepts, swapped in without disturbing a request.
 
 What "a request finishes under the settings it was admitted with" rests on:
 
