@@ -21,6 +21,10 @@ RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING``                 streaming mode (decides 
                                                         replica of a deployment (``/admin/profile``)
 ``ray.serve._private.request_router.                    the default router's choice for requests without a
 PowerOfTwoChoicesRequestRouter``                        prompt in ``request_router: prefix_aware``
+``ray.experimental.internal_kv._internal_kv_get``,      the running fleet's configuration and its version,
+``_internal_kv_put``                                    kept in the GCS so that every process of the cluster
+                                                        reads the same one (``lmfleet apply``; a detached
+                                                        actor would die with its node)
 =====================================================  ====================================================
 
 ``lmfleet.engine.prefix_router`` also subclasses the public ``PrefixCacheAffinityRouter`` and uses its private
@@ -85,3 +89,18 @@ def power_of_two_choices_router() -> type:
     from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
     return PowerOfTwoChoicesRequestRouter
+
+
+def kv_get(key: str, namespace: str) -> bytes | None:
+    """The value of ``key`` in the cluster's GCS key-value store (``namespace``), or None."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key, namespace=namespace)
+
+
+def kv_put(key: str, value: bytes, *, overwrite: bool, namespace: str) -> bool:
+    """Store ``value`` at ``key`` in the GCS; with ``overwrite`` False an existing value stays. Returns whether
+    ``key`` already had a value (Ray's answer: with ``overwrite`` False, True means nothing was written)."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    return bool(_internal_kv_put(key, value, overwrite, namespace=namespace))

@@ -91,3 +91,12 @@ def test_prefix_cache_affinity_router_members():
     for attr in ("_tree_actor", "_imbalanced_threshold", "_match_rate_threshold"):
         if f"self.{attr}" not in source:
             _fail(f"PrefixCacheAffinityRouter.{attr}", "initialize_state no longer sets it")
+
+
+@pytest.mark.parametrize("name, params", [
+    ("_internal_kv_get", ["key", "namespace"]),
+    ("_internal_kv_put", ["key", "value", "overwrite", "namespace"]),
+])
+def test_internal_kv(name, params):
+    module = "ray.experimental.internal_kv"
+    _params(f"{module}.{name}", _load(module, name), params)

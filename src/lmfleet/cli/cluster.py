@@ -182,16 +182,31 @@ def status(
     except ConnectionError as e:
         fail(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS / cluster.address / auto'}: {e}", 1)
     rows = _gateways()
+    version = _fleet_version()
     if as_json:
         out = st.to_dict()
         if rows is not None:
             out["gateways"] = [{**asdict(r), "workers": r.workers} for r in rows]
+        out["fleet_version"] = version
         typer.echo(json.dumps(out, indent=2))
     else:
         typer.echo(render_status(st), nl=False)
         if rows is not None:
             typer.echo(render_gateways(rows), nl=False)
+        typer.echo(f"\nRunning fleet: {f'version {version}' if version is not None else 'none stored'} "
+                   "(lmfleet apply)")
     raise typer.Exit(0 if st.state == "healthy" else 3)
+
+
+def _fleet_version() -> int | None:
+    """The running fleet's version stored in the cluster (lmfleet.cluster.fleet_store); None: none, or unreadable."""
+    from lmfleet.cluster.fleet_store import FleetStore, RayKV
+
+    try:
+        return FleetStore(RayKV()).current_version()
+    except Exception as e:  # the rest of the status is still worth printing
+        typer.echo(f"lmfleet: warning: cannot read the running fleet's version: {e}", err=True)
+        return None
 
 
 def _gateways() -> list | None:

@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from lmfleet.cli import bench, check, cluster, config, gateway, profile, serve, usage
+from lmfleet.cli import apply, bench, check, cluster, config, gateway, profile, serve, usage
 
 # lmfleet runs on air-gapped clusters: no telemetry unless the operator turns it on
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -22,6 +22,7 @@ app = typer.Typer(
 )
 app.add_typer(config.app, name="config")
 app.command("serve")(serve.serve)
+app.command("apply")(apply.apply)
 app.command("gateway")(gateway.gateway)
 app.command("check")(check.check)
 app.command("usage")(usage.usage)

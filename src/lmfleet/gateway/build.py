@@ -25,6 +25,7 @@ from lmfleet.gateway.front.access import GatewayConfigError, allowed_hosts, chec
 from lmfleet.gateway.app import create_app
 from lmfleet.gateway.routing.backends import LocalBackend, ProviderBackend
 from lmfleet.gateway.routing.health import HealthBoard
+from lmfleet.gateway.routing.live import RunningCapacity
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.routing.pollers import EngineStatsPoller
 from lmfleet.gateway.routing.router import Router
@@ -36,7 +37,7 @@ from lmfleet.gateway.observe.loopwatch import LoopWatch
 from lmfleet.gateway.core.tokens import load_tokenizer_or_none
 from lmfleet.gateway.observe.tracing import request_tracer
 from lmfleet.gateway.relay.upstream import HttpPool
-from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, providers_for
+from lmfleet.overflow import LoadTracker, LocalCostMeter, providers_for
 from lmfleet.overflow.margin import MissMargin
 from lmfleet.overflow.policies import PolicyTimers
 from lmfleet.store import (
@@ -193,11 +194,7 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
 
     providers: dict[str, ProviderBackend] = {}
     for p in fleet.providers:
-        key = environ.get(p.api_key_env) if p.api_key_env else None
-        if p.api_key_env and not key:
-            log.warning("provider %s: environment variable %s is not set; sending no API key", p.name, p.api_key_env)
-        client = HttpPool(max_connections=p.max_concurrency or 1000, connect_timeout_s=p.timeouts.connect_s)
-        providers[p.name] = ProviderBackend(p, client, key, CircuitBreaker.from_config(p.breaker), budget)
+        providers[p.name] = ProviderBackend.from_config(p, environ, budget)
 
     # one keep-alive pool to Serve's HTTP front for every model, sized to the fleet (excess waits for a connection)
     local_client = HttpPool(max_connections=max(256, 4 * sum(a.capacity for a in apps)), connect_timeout_s=5.0)
@@ -214,6 +211,7 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
             threshold_ms=a.threshold_ms, queue=DispatchQueue(_queue_slots(a)) if fleet.tenants else None,
             timers=PolicyTimers.from_config(c.overflow), margin=MissMargin(c.overflow.miss_quantile))
 
+    health.on_refresh = RunningCapacity(models, health).update  # a rollout's missing replicas count as busy
     engine_stats = None
     if fetch_engine_metrics is not None and fleet.gateway.engine_metrics_poll_s > 0:
         engine_stats = EngineStatsPoller({n: m.local.tracker for n, m in models.items()}, fetch_engine_metrics,

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from lmfleet.gateway.routing.backends import ProviderBackend
+from lmfleet.gateway.routing.fleet_watch import FleetWatch
 from lmfleet.gateway.routing.health import HealthBoard
 from lmfleet.gateway.observe.loopwatch import LoopWatch
 from lmfleet.gateway.observe.metrics import GatewayMetrics
@@ -44,6 +45,8 @@ class Gateway:
     """OpenTelemetry spans per request (``observability.otlp_endpoint``); None: tracing off."""
     loopwatch: LoopWatch | None = None
     """The event-loop watchdog (``gateway.loop_stall_warn_ms``); None in tests that build a gateway by hand."""
+    fleet_watch: FleetWatch | None = None
+    """The cluster's running-fleet version as this process sees it (set where the fleet is stored); None: none."""
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -68,6 +71,8 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self.peers.run()))
         if self.loopwatch is not None:
             self._tasks.append(asyncio.create_task(self.loopwatch.run()))
+        if self.fleet_watch is not None:
+            self._tasks.append(asyncio.create_task(self.fleet_watch.run()))
         if self.metrics.multiproc_dir is not None:
             self._tasks.append(asyncio.create_task(self._publish_forever()))
 

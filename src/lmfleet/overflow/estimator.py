@@ -51,7 +51,7 @@ from __future__ import annotations
 from lmfleet.config.models import ModelConfig
 from lmfleet.overflow.signals import QueueSignals
 
-__all__ = ["estimate_wait_ms", "local_capacity", "prefill_excess_s"]
+__all__ = ["estimate_wait_ms", "local_capacity", "prefill_excess_s", "serving_capacity"]
 
 
 def local_capacity(model: ModelConfig, replicas: int | None = None) -> int:
@@ -72,6 +72,22 @@ def local_capacity(model: ModelConfig, replicas: int | None = None) -> int:
         per_replica = min(per_replica, model.engine.max_num_seqs)
     n = replicas if replicas is not None else model.deployment.min_replicas()
     return max(1, n) * per_replica * model.engine.data_parallel_size
+
+
+def serving_capacity(model: ModelConfig, full: int, running_replicas: int) -> int:
+    """The capacity to count while ``running_replicas`` Serve replicas of the model run (Serve's status): ``full``
+    when at least the configured number run (or the count is unknown: 0), else that share of it, at least 1.
+
+    During a rolling replacement of its engines or after a lost node the estimate then counts the missing
+    capacity, so requests over the threshold spill instead of queueing on the replicas left. With autoscaling
+    the configured number is ``min_replicas``; a prefill/decode split keeps ``full`` (its pools' replicas are
+    not told apart in the count)."""
+    if model.deployment.disaggregation is not None or running_replicas <= 0:
+        return full
+    target = model.deployment.min_replicas() * model.engine.data_parallel_size
+    if running_replicas >= target:
+        return full
+    return max(1, full * running_replicas // target)
 
 
 def estimate_wait_ms(

@@ -33,6 +33,8 @@ from lmfleet.gateway import build_gateway
 from lmfleet.gateway.front.access import GatewayConfigError
 from lmfleet.gateway.build import check_ledger, preflight
 from lmfleet.gateway.observe.metrics import SharedMetricsDir
+from lmfleet.gateway.routing.fleet_watch import FleetWatch
+from lmfleet.gateway.routing.live import LiveFleet
 from lmfleet.gateway.routing.health import serve_status_fetcher
 from lmfleet.gateway.routing.peers import PeerBoard, list_gateways, node_address
 from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
@@ -131,6 +133,26 @@ def attach_peers(app: Any, host: str, port: int, role: str, period_s: float = 0.
     gw.peers = PeerBoard({n: m.local.tracker for n, m in gw.models.items()}, host=host, port=port, role=role,
                          meters={n: m.local.meter for n, m in gw.models.items()}, routes=gw.models,
                          period_s=period_s)
+
+
+def attach_fleet_watch(app: Any, fleet: FleetConfig) -> None:
+    """Follow the cluster's running-fleet version (needs a connected Ray): take each new one's live settings
+    (:class:`LiveFleet`); ``/admin/state`` shows the version taken."""
+    from lmfleet.cluster.fleet_store import FleetStore, RayKV
+
+    gw = app.state.gateway
+    store = FleetStore(RayKV())
+    live = LiveFleet(fleet, gw.router, gw.providers, gw.clients)
+
+    async def take(version: int) -> None:
+        stored = await asyncio.to_thread(store.read, version)
+        if stored is not None:
+            taken = live.take(stored.fleet)
+            if taken.applied:
+                log.info("gateway: took version %d of the running fleet: %s", version,
+                         ", ".join(c.path for c in taken.applied))
+
+    gw.fleet_watch = FleetWatch(store.current_version, on_version=take)
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -393,6 +415,7 @@ async def _gateway_main(fleet: FleetConfig, apps: list[Any], sock: socket.socket
                         fetch_engine_metrics=ray_metrics_fetcher())
     app.state.gateway.health.refresh_from(await asyncio.to_thread(serve_status_fetcher()))
     attach_peers(app, host, port, role="worker" if worker else "gateway", period_s=fleet.gateway.peers_period_s)
+    attach_fleet_watch(app, fleet)
     server = GatewayServer(app, fleet, sock)
     if not await server.start():
         progress(f"lmfleet: error: the gateway on {host}:{port} stopped at once")

@@ -31,6 +31,7 @@ from typing import Any
 
 from lmfleet import ray_private
 from lmfleet.cluster.connect import LocalHead, connect, resolve_ray_address
+from lmfleet.cluster.fleet_store import FleetStore, RayKV
 from lmfleet.config.models import FleetConfig
 from lmfleet.engine.app import bind_app, build_model_apps
 from lmfleet.gateway import build_gateway
@@ -44,6 +45,7 @@ from lmfleet.serve.apps import DeployError, app_states, wait_until_running
 from lmfleet.serve.gateway_proc import (
     GatewayServer,
     WORKER_START_S,
+    attach_fleet_watch,
     attach_peers,
     listen_socket,
     loop_factory,
@@ -181,6 +183,7 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
                         fetch_status=serve_status_fetcher(), fetch_engine_metrics=ray_metrics_fetcher())
     health = app.state.gateway.health
     attach_peers(app, host, port, role="serve", period_s=fleet.gateway.peers_period_s)
+    attach_fleet_watch(app, fleet)
     try:
         sock = listen_socket(host, port, reuse_port=workers > 1)
     except OSError as e:
@@ -302,6 +305,8 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
         progress(f"lmfleet: deploying {len(apps)} model(s) on Ray Serve: {', '.join(a.name for a in apps)}")
         deploy(apps)
         phases.add("Serve", time.monotonic() - serve_from)
+        stored = FleetStore(RayKV()).publish(fleet, source=f"serve {config_path or 'the embedded default fleet'}")
+        progress(f"lmfleet: the cluster's running fleet is version {stored.version} (`lmfleet apply` compares with it)")
         check_serve_proxy(fleet, local_head=started_ray)
         reaper.snapshot()
         metrics = shared_metrics(workers)  # after Ray and Serve started: none of their processes inherits it

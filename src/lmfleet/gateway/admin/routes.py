@@ -1,6 +1,7 @@
 """The admin API: every ``/admin/*`` route (the admin key, checked by the authentication stage for the whole prefix).
 
-    GET    /admin/state                  per model: load, estimate, mode, replicas; per provider: breaker
+    GET    /admin/state                  the running fleet's version; per model: load, estimate, mode, replicas;
+                                         per provider: breaker
     POST   /admin/overflow               a model's (or every model's) overflow mode, threshold and policy, now
     GET    /admin/usage                  requests, tokens and cost per backend or per tenant, from the ledger;
                                          ?advise=1 rent or buy, ?estimate=1 the predicted wait's error

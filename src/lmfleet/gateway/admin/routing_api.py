@@ -1,6 +1,7 @@
 """Admin routes of the routing state and its controls (admin key).
 
-    GET    /admin/state                  per model: load, estimate, mode, replicas; per provider: breaker
+    GET    /admin/state                  the running fleet's version; per model: load, estimate, mode, replicas;
+                                         per provider: breaker
     POST   /admin/overflow               a model's (or every model's) overflow mode, threshold and policy, now
 """
 
@@ -29,7 +30,8 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
 
     @r.get("/admin/state")
     async def admin_state() -> dict[str, Any]:
-        out: dict[str, Any] = {"models": {}, "providers": {}}
+        out: dict[str, Any] = {"fleet_version": gw.fleet_watch.version if gw.fleet_watch is not None else None,
+                               "models": {}, "providers": {}}
         for n, m in gw.models.items():
             s = m.local.tracker.snapshot()
             out["models"][n] = {

@@ -88,6 +88,8 @@ class RequestRun:
         """The tokenizer's count of the prompt once known (None: not counted, or no tokenizer): an answer without
         usage is then counted without tokenizing its prompt again."""
         self.deadline = t0 + model.app.cfg.deployment.request_timeout_s
+        # the policy in force at admission: `lmfleet apply` may swap the model's while this request runs
+        self.timers, self.threshold_ms = model.timers, model.threshold_ms
         self.reason: Reason = plan.reason
         self.request_id = f"{_ID_PREFIX}{next(_ids):x}"
         self.last_error: UpstreamError | None = None
@@ -184,7 +186,7 @@ class RequestRun:
         """
         phase = Phase.TRYING
         attempt = 0
-        policy = self.m.timers.policy
+        policy = self.timers.policy
         racing = race and policy in (Policy.TTFT_TIMEOUT, Policy.HEDGE) and bool(self.hedgers())
         local = self.m.local
         for b, k, later, final in self._tries():
@@ -269,8 +271,8 @@ class RequestRun:
         return [b for b in self.plan.backends if b is not local]  # type: ignore[misc]
 
     def step(self, state: AttemptState, provider_open: bool) -> Step:
-        return next_step(self.m.timers, now=time.monotonic(), estimate_ms=self.plan.estimate_ms,
-                         threshold_ms=self.m.threshold_ms, permissions=self.plan.permissions,
+        return next_step(self.timers, now=time.monotonic(), estimate_ms=self.plan.estimate_ms,
+                         threshold_ms=self.threshold_ms, permissions=self.plan.permissions,
                          provider_open=provider_open, attempt=state)
 
     def _after_local_error(self, e: UpstreamError) -> Action:

@@ -23,7 +23,9 @@ and asks it how often to retry (:meth:`attempts`) and how long to wait between t
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +145,32 @@ class ProviderBackend:
         self.dialect = resolve_dialect(cfg.dialect, cfg.base_url)
         self._headers = self.dialect.auth_headers(api_key)
         self.breaker = breaker
-        self.in_flight = 0
+        self._in_flight = [0]  # one count for this provider across its with_config twins
+
+    @classmethod
+    def from_config(cls, cfg: ProviderConfig, environ: Mapping[str, str],
+                    budget: BudgetGuard | None = None) -> "ProviderBackend":
+        """A provider with its own connection pool and breaker; its key from ``environ`` (a warning, and no key,
+        when the variable is not set)."""
+        key = environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        if cfg.api_key_env and not key:
+            log.warning("provider %s: environment variable %s is not set; sending no API key", cfg.name,
+                        cfg.api_key_env)
+        client = HttpPool(max_connections=cfg.max_concurrency or 1000, connect_timeout_s=cfg.timeouts.connect_s)
+        return cls(cfg, client, key, CircuitBreaker.from_config(cfg.breaker), budget)
+
+    def with_config(self, cfg: ProviderConfig) -> "ProviderBackend":
+        """This provider under new settings (``lmfleet apply``: prices, timeouts, retries): a new backend sharing
+        the connection pool, the breaker, the budget and the key. Requests planned on this one keep it, so they
+        finish, and are priced, under the settings they were admitted with."""
+        twin = copy.copy(self)  # shallow: the pool, breaker, budget, headers and in-flight count are shared
+        twin.cfg = cfg
+        return twin
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight to this provider, under any of its settings (``max_concurrency`` counts them all)."""
+        return self._in_flight[0]
 
     def endpoint(self, model: str, *, has_fallback: bool) -> Endpoint:
         t = self.cfg.timeouts
@@ -169,18 +196,18 @@ class ProviderBackend:
             if reservation is not None:
                 self.budget.release(reservation)  # type: ignore[union-attr]
             return None
-        self.in_flight += 1
+        self._in_flight[0] += 1
         return ProviderSlot(admission, reservation)
 
     def first_token(self, slot: Any) -> None:
         pass
 
     def finish(self, slot: Any, output_tokens: int) -> None:
-        self.in_flight -= 1
+        self._in_flight[0] -= 1
         self.breaker.on_success(ticket=slot.admission)
 
     def fail(self, slot: Any, err: UpstreamError) -> None:
-        self.in_flight -= 1
+        self._in_flight[0] -= 1
         if slot.reservation is not None:  # nothing was served: the hold goes back
             self.budget.release(slot.reservation)  # type: ignore[union-attr]
         if isinstance(err, UpstreamRateLimited):
@@ -189,11 +216,11 @@ class ProviderBackend:
             self.breaker.on_failure()
 
     def break_stream(self, slot: Any, output_tokens: int, *, timed_out: bool) -> None:
-        self.in_flight -= 1
+        self._in_flight[0] -= 1
         self.breaker.on_failure()
 
     def cancel(self, slot: Any) -> None:
-        self.in_flight -= 1
+        self._in_flight[0] -= 1
         self.breaker.release(slot.admission)  # neutral; a cancelled probe frees the probe slot
 
     def attempts(self, *, last: bool) -> int:

@@ -58,6 +58,8 @@ class HealthBoard:
         self._marks: dict[str, tuple[float, str]] = {}
         self._broken_streams: dict[str, int] = {}
         self._failures: dict[str, deque[tuple[float, object]]] = {}
+        self.on_refresh: Callable[[], None] | None = None
+        """Called after each refresh from Serve's status (the running replicas' capacity follows it)."""
 
     MARK_HOLD_S = 30.0
     STREAM_BREAKS_TO_MARK = 3
@@ -80,6 +82,8 @@ class HealthBoard:
             if mark and h.ready and now - mark[0] < self.MARK_HOLD_S:
                 h = ModelHealth(False, mark[1], h.running_replicas)
             self.models[model] = h
+        if self.on_refresh is not None:
+            self.on_refresh()
 
     def mark_failed(self, model: str, message: str) -> None:
         self._marks[model] = (time.monotonic(), message)

@@ -1,0 +1,141 @@
+"""A running gateway takes a new version of the fleet (``lmfleet apply``): the changes
+:func:`lmfleet.config.diff.applies_live` accepts, swapped in without disturbing a request.
+
+What "a request finishes under the settings it was admitted with" rests on:
+
+* a provider whose settings change becomes a new :class:`~lmfleet.gateway.routing.backends.ProviderBackend`:
+  :meth:`~lmfleet.gateway.routing.backends.ProviderBackend.with_config` (same pool, breaker, budget, key) when
+  only prices, timeouts, retries, backoff or its model map change, else one of its own, as an added provider
+  gets; a request's plan holds the backends it was routed to, so it keeps the old one (a removed provider
+  included): its timeouts, retries, budget reservation and price (the ledger's cost) are those in force when it
+  was admitted;
+* the budget (its caps, ``on_exhausted``) is replaced by one assignment each in the router and the spend guard;
+  a reservation already held stays;
+* a model's provider list is replaced by one assignment, as are its threshold, its policy timers and its
+  overflow section (``enabled``, ``hysteresis``, the cold-start figures: read by the router at admission); a
+  request run copies the timers and the threshold when it starts (:class:`~lmfleet.gateway.relay.run.RequestRun`).
+
+Values the operator changed at run time (``POST /admin/overflow``) stay unless the new version changes that key.
+
+:class:`RunningCapacity`: while a model runs fewer replicas than configured (its engines being replaced, a node
+lost), its capacity counts only the running ones (:func:`lmfleet.overflow.estimator.serving_capacity`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from lmfleet.config.diff import Change, applies_live, diff_fleets
+from lmfleet.config.models import FleetConfig, ProviderConfig
+from lmfleet.gateway.routing.backends import ProviderBackend
+from lmfleet.gateway.routing.health import HealthBoard
+from lmfleet.gateway.routing.router import Router
+from lmfleet.gateway.routing.served import ServedModel
+from lmfleet.gateway.relay.upstream import HttpPool
+from lmfleet.overflow import providers_for
+from lmfleet.overflow.estimator import serving_capacity
+from lmfleet.overflow.policies import PolicyTimers
+from lmfleet.store import caps_for_budget
+
+log = logging.getLogger("lmfleet.gateway")
+
+_TIMER_KEYS = ("policy", "ttft_timeout_ms", "hedge_after_ms")
+
+
+def _same_transport(a: ProviderConfig, b: ProviderConfig) -> bool:
+    """Whether ``b`` can reuse ``a``'s connection pool, breaker and key (:meth:`ProviderBackend.with_config`):
+    the same endpoint, dialect, key variable, pool size, connect timeout and breaker thresholds."""
+    def transport(c: ProviderConfig) -> tuple:
+        breaker = c.breaker.model_dump(exclude={"backoff_base_s", "backoff_cap_s"})
+        return c.base_url, c.dialect, c.api_key_env, c.max_concurrency, c.timeouts.connect_s, breaker
+    return transport(a) == transport(b)
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What one new version did to this gateway process."""
+
+    applied: list[Change]
+    ignored: list[Change]
+    """Changes this process cannot take live (``lmfleet apply`` refuses them; a process started from another
+    file than the running fleet's can see some): they wait for a restart."""
+
+
+class LiveFleet:
+    """The fleet this gateway process runs under, and the swap to a new version."""
+
+    def __init__(self, fleet: FleetConfig, router: Router, providers: dict[str, ProviderBackend],
+                 clients: list[HttpPool], environ: Mapping[str, str] | None = None) -> None:
+        self.fleet = fleet
+        self._router = router
+        self._models = router.models
+        self._providers = providers
+        self._clients = clients
+        """The gateway's connection pools (closed at shutdown): a new provider's pool joins them."""
+        self._environ = os.environ if environ is None else environ
+
+    def take(self, new: FleetConfig) -> Taken:
+        """Swap in ``new``'s live keys; returns what changed and what could not."""
+        changes = diff_fleets(self.fleet, new)
+        applied = [c for c in changes if applies_live(c, self.fleet)]
+        ignored = [c for c in changes if not applies_live(c, self.fleet)]
+        if applied:
+            self._swap(self.fleet, new)
+        self.fleet = new
+        if ignored:
+            log.warning("gateway: the running fleet's new version changes keys this process takes only at a "
+                        "restart: %s", ", ".join(c.path for c in ignored))
+        return Taken(applied, ignored)
+
+    def _swap(self, old: FleetConfig, new: FleetConfig) -> None:
+        if new.budget != old.budget:  # the router reads it at admission; the guard's caps at each reservation
+            self._router.budget = new.budget
+            if self._router.guard is not None:
+                self._router.guard.caps = caps_for_budget(new.budget)
+        fresh: dict[str, ProviderBackend] = {}
+        for cfg in new.providers:
+            backend = self._providers.get(cfg.name)
+            if backend is None or not _same_transport(backend.cfg, cfg):
+                backend = ProviderBackend.from_config(cfg, self._environ, self._router.guard)
+                self._clients.append(backend.client)
+            elif backend.cfg != cfg:
+                backend = backend.with_config(cfg)
+            fresh[cfg.name] = backend
+        for name in [n for n in self._providers if n not in fresh]:
+            del self._providers[name]  # requests routed to it keep it until they finish
+        self._providers.update(fresh)
+        for name, m in self._models.items():
+            before, after = old.model(name), new.model(name)
+            if before is None or after is None:
+                continue
+            m.providers = [fresh[p.name] for p in providers_for(after, new.providers)]
+            o, n = before.overflow, after.overflow
+            if n != o:  # the router reads enabled, hysteresis and the cold-start figures from here at admission
+                m.app = replace(m.app, cfg=m.app.cfg.model_copy(update={"overflow": n}))
+            if n.threshold_ms != o.threshold_ms:
+                m.threshold_ms = n.threshold_ms
+            if any(getattr(n, k) != getattr(o, k) for k in _TIMER_KEYS):
+                m.timers = PolicyTimers.from_config(n)
+
+
+class RunningCapacity:
+    """Each model's capacity (``ModelApp.capacity`` and its load tracker's) follows its running replicas, as
+    Serve's status reports them to ``health``; call :meth:`update` after each refresh."""
+
+    def __init__(self, models: dict[str, ServedModel], health: HealthBoard) -> None:
+        self._models = models
+        self._health = health
+        self._full = {name: m.app.capacity for name, m in models.items()}
+
+    def update(self) -> None:
+        for name, m in self._models.items():
+            h = self._health.models.get(name)
+            capacity = serving_capacity(m.app.cfg, self._full[name], h.running_replicas if h is not None else 0)
+            if capacity != m.app.capacity:
+                log.info("gateway: model %s: capacity %d -> %d (%d replicas running)", name, m.app.capacity,
+                         capacity, h.running_replicas if h is not None else 0)
+                m.app = replace(m.app, capacity=capacity)
+                m.local.tracker.capacity = capacity

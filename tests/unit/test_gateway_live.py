@@ -1,0 +1,193 @@
+"""A running gateway takes a new fleet version (``lmfleet apply``, :mod:`lmfleet.gateway.routing.live`): the new
+settings for new requests, the old ones for requests already admitted (their price in the ledger included)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from lmfleet.config import parse_config
+from lmfleet.config.models import FleetConfig
+from lmfleet.gateway.routing.live import LiveFleet
+from lmfleet.overflow.policies import Policy
+from lmfleet.testing.gateway_fakes import chat_json, make_gateway, started_client
+
+ADMIN = {"authorization": "Bearer adm"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def running_fleet(app: Any) -> FleetConfig:
+    """The fleet make_gateway built ``app`` from (the sections LiveFleet reads)."""
+    gw = app.state.gateway
+    return parse_config({"models": [m.app.cfg.model_dump() for m in gw.models.values()],
+                         "providers": [p.cfg.model_dump() for p in gw.providers.values()],
+                         "budget": gw.router.budget.model_dump()})
+
+
+def changed(fleet: FleetConfig, **edits: Any) -> FleetConfig:
+    """``fleet`` with ``section__key=value`` edits applied to its first model / provider / gateway."""
+    data = fleet.model_dump(mode="json")
+    for path, value in edits.items():
+        node: Any = data
+        *parents, last = path.split("__")
+        for part in parents:
+            node = node[part][0] if isinstance(node[part], list) else node[part]
+        node[last] = value
+    return parse_config(data)
+
+
+def local_never(req: httpx.Request) -> httpx.Response:
+    return httpx.Response(500)
+
+
+async def test_a_request_admitted_before_a_price_change_is_priced_as_admitted(tmp_path) -> None:
+    release = threading.Event()
+
+    async def held_provider(req: httpx.Request) -> httpx.Response:
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return httpx.Response(200, json=chat_json("p-model"))  # 7 prompt, 2 completion tokens
+
+    app = make_gateway(tmp_path, local_never, {"p": held_provider})
+    gw = app.state.gateway
+    c = await started_client(app)
+    assert (await c.post("/admin/overflow", json={"mode": "force_on"}, headers=ADMIN)).status_code == 200
+    old = running_fleet(app)
+    live = LiveFleet(old, gw.router, gw.providers, gw.clients)
+    first = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
+    while gw.providers["p"].in_flight == 0:
+        await asyncio.sleep(0.01)
+    taken = live.take(changed(old, providers__price__input_per_1m=10.0, providers__price__output_per_1m=20.0))
+    assert [ch.path for ch in taken.applied] == ["providers[p].price.input_per_1m", "providers[p].price.output_per_1m"]
+    assert gw.providers["p"].in_flight == 1  # the request admitted under the old settings counts against the cap
+    release.set()
+    assert (await first).status_code == 200
+    assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    await gw.recorder.flush()
+    costs = [r["cost_usd"] for r in gw.recorder.ledger.rows()]
+    assert sorted(costs) == pytest.approx([(7 * 1.0 + 2 * 2.0) / 1e6, (7 * 10.0 + 2 * 20.0) / 1e6])
+
+
+async def test_the_new_backend_shares_the_pool_breaker_and_budget(tmp_path) -> None:
+    app = make_gateway(tmp_path, local_never, {"p": local_never})
+    gw = app.state.gateway
+    before = gw.providers["p"]
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
+    live.take(changed(live.fleet, providers__timeouts__total_s=42.0, providers__max_retries=0))
+    after = gw.providers["p"]
+    assert after is not before and gw.models["m"].providers == [after]
+
+    assert (after.client, after.breaker, after.budget) == (before.client, before.breaker, before.budget)
+    assert after.endpoint("m", has_fallback=False).total_timeout_s == 42.0 and after.attempts(last=True) == 1
+    assert before.endpoint("m", has_fallback=False).total_timeout_s != 42.0  # what requests in flight keep
+
+
+async def test_threshold_and_policy_swap_and_an_operator_override_stays_unless_changed(tmp_path) -> None:
+    app = make_gateway(tmp_path, local_never, {"p": local_never})
+    gw = app.state.gateway
+    m = gw.models["m"]
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
+    m.threshold_ms = 333.0  # POST /admin/overflow meanwhile
+    live.take(changed(live.fleet, models__overflow__policy="hedge", models__overflow__hedge_after_ms=200.0))
+    assert (m.timers.policy, m.timers.hedge_after_ms, m.threshold_ms) == (Policy.HEDGE, 200.0, 333.0)
+    live.take(changed(live.fleet, models__overflow__threshold_ms=1500.0))
+    assert (m.threshold_ms, m.timers.policy) == (1500.0, Policy.HEDGE)
+
+
+async def test_overflow_switched_off_keeps_new_requests_local(tmp_path) -> None:
+    app = make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m")),
+                       {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))})
+    gw = app.state.gateway
+    c = await started_client(app)
+    await c.post("/admin/overflow", json={"threshold_ms": 1}, headers=ADMIN)  # every estimate is over it
+    assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "provider/p"
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
+    live.take(changed(live.fleet, models__overflow__enabled=False, models__overflow__hysteresis=0.5))
+    assert gw.models["m"].app.cfg.overflow.hysteresis == 0.5 and gw.models["m"].threshold_ms == 1
+    assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "local/m"
+
+
+async def test_changes_a_process_cannot_take_live_are_reported_and_left(tmp_path) -> None:
+    app = make_gateway(tmp_path, local_never, {"p": local_never})
+    gw = app.state.gateway
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
+    before = gw.providers["p"]
+    taken = live.take(changed(live.fleet, gateway__port=9000, models__deployment__replicas=3))
+    assert taken.applied == [] and [c.path for c in taken.ignored] == ["gateway.port", "models[m].deployment.replicas"]
+    assert gw.providers["p"] is before
+    assert live.fleet.gateway.port == 9000  # the next version is compared with this one
+
+
+# ------------------------------------------------------------------------------------------------ rollouts
+def serve_status(running: int, state: str = "UPDATING") -> dict[str, Any]:
+    """Serve's status of app ``m`` with ``running`` replicas of its engine deployment running."""
+    from types import SimpleNamespace as NS
+
+    return {"m": NS(status=NS(value="RUNNING" if state == "HEALTHY" else "DEPLOYING"), deployments={
+        "LLMServer:m": NS(status=NS(value=state), replica_states={"RUNNING": running, "STARTING": 2 - running},
+                          message="")})}
+
+
+async def test_while_replicas_are_replaced_the_capacity_counts_only_the_running_ones(tmp_path) -> None:
+    model = {"name": "m", "source": "builtin:tiny-random", "overflow": {"threshold_ms": 1000},
+             "deployment": {"replicas": 2, "max_ongoing_requests": 4, "request_timeout_s": 10}}
+    app = make_gateway(tmp_path, local_never, {"p": local_never}, extra={"models": [model]})
+    gw = app.state.gateway
+    m = gw.models["m"]
+    gw.health.app_names = {"m": "m"}
+    assert m.app.capacity == 8
+    gw.health.refresh_from(serve_status(running=1))
+    assert (m.app.capacity, m.local.tracker.capacity) == (4, 4)
+    client = await started_client(app)
+    state = (await client.get("/admin/state", headers=ADMIN)).json()["models"]["m"]
+    assert state["capacity"] == 4
+    for _ in range(6):  # six requests in flight: over the half capacity left, under the whole
+        m.local.tracker.on_start()
+    during = gw.router.estimate(m)
+    gw.health.refresh_from(serve_status(running=2, state="HEALTHY"))
+    assert (m.app.capacity, m.local.tracker.capacity) == (8, 8)
+    assert during > gw.router.estimate(m)  # the same load, counted against half the capacity: a longer wait
+
+
+async def test_a_budget_cap_changes_live_where_the_gateway_holds_a_spend_store(tmp_path) -> None:
+    from lmfleet.store import caps_for_budget
+
+    app = make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m")),
+                       {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))},
+                       extra={"budget": {"hourly_usd": 100.0}})
+    gw = app.state.gateway
+    c = await started_client(app)
+    await c.post("/admin/overflow", json={"mode": "force_on"}, headers=ADMIN)
+    assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "provider/p"
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
+    taken = live.take(changed(live.fleet, budget__hourly_usd=0.0))
+    assert [ch.path for ch in taken.applied] == ["budget.hourly_usd"]
+    assert gw.router.budget.hourly_usd == 0.0 and gw.router.guard.caps == caps_for_budget(gw.router.budget)
+    # the cap is spent: the next request stays local (on_exhausted: queue)
+    assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "local/m"
+
+
+async def test_a_provider_added_and_one_removed(tmp_path) -> None:
+    from lmfleet.testing.gateway_fakes import fake_backend
+
+    app = make_gateway(tmp_path, local_never, {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))})
+    gw = app.state.gateway
+    c = await started_client(app)
+    await c.post("/admin/overflow", json={"mode": "force_on"}, headers=ADMIN)
+    old_p = gw.providers["p"]
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
+    data = live.fleet.model_dump(mode="json")
+    q = {"name": "q", "base_url": fake_backend(lambda req: httpx.Response(200, json=chat_json("q-model"))) + "/v1",
+         "model_map": {"m": "q-model"}, "price": {"input_per_1m": 5.0}}
+    data["providers"] = [q]
+    taken = live.take(parse_config(data))
+    assert [ch.path for ch in taken.applied] == ["providers[q]", "providers[p]"]
+    assert list(gw.providers) == ["q"] and gw.models["m"].providers == [gw.providers["q"]]
+    assert gw.providers["q"].client in gw.clients  # closed with the gateway
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/q"
+    assert old_p.in_flight == 0
