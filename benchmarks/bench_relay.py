@@ -109,7 +109,7 @@ def close_tree(tree: Tree) -> None:
 
 
 def describe(tree: Tree) -> str:
-    r = subprocess.run(["git", "-C", str(tree.root), "log", "-1", "--format=%h %s"], capture_output=True, text=True)
+    r = subprocess.run(["git", "-C", str(tree.root), "log", "-1", "--format=%h %cs"], capture_output=True, text=True)
     head = r.stdout.strip()[:70] if r.returncode == 0 else "not a git tree"
     dirty = subprocess.run(["git", "-C", str(tree.root), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
