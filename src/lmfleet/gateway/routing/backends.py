@@ -5,19 +5,9 @@ Two kinds, one protocol (:class:`Backend`)::
     LocalBackend     a model's Ray Serve deployment: load tracker, readiness, cost meter, Serve base URL
     ProviderBackend  an external OpenAI-compatible provider: breaker, in-flight cap, price, model map, key
 
-The request run (:mod:`lmfleet.gateway.relay.run`) drives a backend through one attempt (the protocol and its
-:class:`Ask` are the relay's, :mod:`lmfleet.gateway.relay.backend`)::
-
-    slot = await backend.acquire(ask)          # admission (breaker, caps, budget) + counted in flight; None: skip
-        ... call backend.endpoint(...) ...
-        backend.first_token(slot)              # streams only
-        backend.finish(slot, output_tokens)    # success
-        | backend.fail(slot, err)              # failed before anything reached the client
-        | backend.break_stream(slot, ...)      # failed mid-stream
-        | backend.cancel(slot)                 # the client went away: neutral
-    cost = backend.charge(input_tokens, output_tokens)
-
-and asks it how often to retry (:meth:`attempts`) and how long to wait between tries (:meth:`backoff_s`).
+The request run (:mod:`lmfleet.gateway.relay.run`) drives a backend through one attempt in the order that
+:mod:`lmfleet.gateway.relay.backend` draws (the protocol and its :class:`Ask` are the relay's), and asks it how
+often to retry (:meth:`attempts`) and how long to wait between tries (:meth:`backoff_s`).
 """
 
 from __future__ import annotations
