@@ -25,10 +25,11 @@ SMOKE = [
     ("bench_tenants.py", ["--duration", "1", "--loads", "1"]),
     ("bench_rate_store.py", ["20"]),
     ("estimator_loto.py", ["--smoke", "--out", "out"]),
+    ("overflow_report.py", ["--smoke", "--out", "out"]),
 ]
 # start engines (or need GPUs): their imports and arguments only
-HELP_ONLY = ["bench_gateway.py", "gpu_serve.py", "bench_overflow.py", "bench_gateways_overload.py", "bench_prefix_routing.py",
-             "bench_vs_vllm.py", "planner_vs_vllm.py", "soak_gateway.py", "gpu_proof.py", "bench_budget_store.py",
+HELP_ONLY = ["bench_gateway.py", "gpu_serve.py", "bench_overflow.py", "bench_gateways_overload.py",
+             "bench_prefix_routing.py", "bench_vs_vllm.py", "planner_vs_vllm.py", "soak_gateway.py", "gpu_proof.py", "bench_budget_store.py",
              "bench_engine_start.py"]
 
 

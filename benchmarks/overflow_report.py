@@ -1,0 +1,79 @@
+"""The per-trace table and the attainment-vs-spend plot of several ``bench_overflow_policies.py`` runs.
+
+    .venv/bin/python benchmarks/overflow_report.py out/op_*/summary.json --out out/overflow_report
+    .venv/bin/python benchmarks/overflow_report.py --smoke --out out/overflow_report   # the runs in docs/benchmarks
+
+Each summary is one trace (its window and factors are in the table); arms are lmfleet's policies and, where the
+run had ``--litellm``, the real LiteLLM proxy. Writes ``report.md`` (the table, then per trace which of issue 48's
+targets held: :func:`lmfleet.bench.policy_report.targets`) and ``attainment_vs_spend.png`` (one panel per trace:
+SLO attainment against provider dollars, one point per arm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from lmfleet.bench.policy_report import Row, attribution, markdown, rows, targets
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+
+
+def plot(by_trace: dict[str, list[Row]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(by_trace), figsize=(5.5 * len(by_trace), 4.5), squeeze=False)
+    for ax, (trace, rs) in zip(axes[0], by_trace.items()):
+        for r in rs:
+            marker = "s" if r.arm.startswith("litellm") else "o"
+            ax.scatter(r.spend_usd, 100 * r.attainment, marker=marker, s=50)
+            ax.annotate(r.arm, (r.spend_usd, 100 * r.attainment), fontsize=8, xytext=(4, 3), textcoords="offset points")
+        ax.set_title(trace if len(trace) < 60 else trace[:57] + "...", fontsize=9)
+        ax.set_xlabel("provider $ (from its usage)")
+        ax.set_ylabel("TTFT SLO attained (%)")
+        ax.set_ylim(-2, 104)
+        ax.axhline(99, color="grey", lw=0.6, ls="--")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("summaries", nargs="*", type=Path, help="summary.json files of bench_overflow_policies.py")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--smoke", action="store_true", help="the summaries recorded under docs/benchmarks/")
+    a = ap.parse_args()
+    files = sorted(DOCS.glob("bench_overflow_policies_*.json")) if a.smoke else a.summaries
+    if not files:
+        ap.error("no summary.json given")
+    by_trace: dict[str, list[Row]] = {}
+    credits: set[str] = set()
+    for f in files:
+        s = json.loads(f.read_text())
+        t = s.get("trace") or {}
+        if "results" not in s or not ("name" in t or t.get("kind") == "trace"):  # runs from before traces were named
+            continue
+        if (credit := attribution(s)) is not None:
+            credits.add(credit)
+        for r in rows(s):
+            by_trace.setdefault(r.trace, []).append(r)
+    a.out.mkdir(parents=True, exist_ok=True)
+    text = ["# Overflow policies per trace", "", markdown([r for rs in by_trace.values() for r in rs])]
+    text += [f"Trace: {c}" for c in sorted(credits)] + [""]
+    for trace, rs in by_trace.items():
+        held = targets(rs)
+        text.append(f"- {trace}: " + "; ".join(f"{k}: {'–' if v is None else ('met' if v else 'MISSED')}"
+                                               for k, v in held.items()))
+    (a.out / "report.md").write_text("\n".join(text) + "\n")
+    plot(by_trace, a.out / "attainment_vs_spend.png")
+    print("\n".join(text))
+    print(f"\nwritten to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
