@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
+from lmfleet.config.redact import redact_url
 from lmfleet.store.records import SpendStoreError, StoreUnavailable
 from lmfleet.store.schema import Query, migrate
 
@@ -27,15 +27,6 @@ __all__ = ["PgDatabase", "redact_url"]
 T = TypeVar("T")
 
 _MIGRATION_LOCK = 0x6C6D666C  # pg_advisory_xact_lock id for schema changes ("lmfl")
-
-def redact_url(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = (parts.username or "") + ":***"
-    return urlunsplit(parts._replace(netloc=f"{user}@{netloc[-1]}"))
 
 
 def _one_line(e: BaseException) -> str:
