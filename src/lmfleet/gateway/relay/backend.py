@@ -50,6 +50,9 @@ class Backend(Protocol):
     """Provenance (``local/MODEL``, ``provider/NAME``): the x-lmfleet-served-by header, ledger and metrics label."""
     fallback_reason: Reason
     """The route reason a request reports when a later backend serves it after this one failed."""
+    needs_exact_prompt: bool
+    """:meth:`acquire` reserves money on the prompt's token count (a provider under a budget): the relay counts the
+    prompt exactly before asking, instead of passing the cheap upper bound."""
 
     def endpoint(self, model: str, *, has_fallback: bool) -> Endpoint: ...
     async def acquire(self, ask: Ask) -> Any | None: ...

@@ -197,7 +197,7 @@ class RequestRun:
             if self.remaining() <= 0:
                 phase = transition(phase, Event.OUT_OF_TIME)
                 break
-            if self._count_prompt is not None and b is not local and getattr(b, "budget", None) is not None:
+            if self._count_prompt is not None and b.needs_exact_prompt:
                 await self._exact_prompt()  # a provider's budget reserves on the count, not on the bound
             slot = await b.acquire(Ask(f"{self.request_id}-{attempt}", self.prompt_tokens, self.prompt_upper,
                                        self.req.max_tokens, self.m.app.max_model_len, self.plan.spend_caps,

@@ -58,6 +58,7 @@ class LocalBackend:
     """One model's local deployment (Ray Serve), reached through Serve's HTTP front (HAProxy or Serve's proxy)."""
 
     fallback_reason = Reason.FALLBACK_AFTER_LOCAL_ERROR
+    needs_exact_prompt = False
 
     def __init__(self, cfg: ModelConfig, base_url: str, client: HttpPool, tracker: LoadTracker,
                  health: HealthBoard, meter: LocalCostMeter):
@@ -136,6 +137,10 @@ class ProviderBackend:
         self._headers = self.dialect.auth_headers(api_key)
         self.breaker = breaker
         self._in_flight = [0]  # one count for this provider across its with_config twins
+
+    @property
+    def needs_exact_prompt(self) -> bool:
+        return self.budget is not None
 
     @classmethod
     def from_config(cls, cfg: ProviderConfig, environ: Mapping[str, str],
