@@ -90,13 +90,16 @@ EOF
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade /tmp/bundle/wheels/"$name"-*.whl
   done
   # Ray 2.60's Serve LLM imports two vLLM modules by the paths of later vLLM releases; 0.25.1 has the same
-  # classes (ErrorInfo, ErrorResponse; FrontendArgs) under vllm.entrypoints.openai. Alias them.
+  # classes (ErrorInfo, ErrorResponse; FrontendArgs) under vllm.entrypoints.openai. Alias them. It also catches
+  # VLLMClientError beside ValueError; 0.25.1's client errors are ValueErrors, so the name only has to exist.
   mkdir -p "$site/vllm/entrypoints/serve/engine" "$site/vllm/entrypoints/launchers"
   touch "$site/vllm/entrypoints/serve/engine/__init__.py" "$site/vllm/entrypoints/launchers/__init__.py"
   [ -f "$site/vllm/entrypoints/serve/engine/protocol.py" ] \
     || echo "from vllm.entrypoints.openai.engine.protocol import *  # noqa" > "$site/vllm/entrypoints/serve/engine/protocol.py"
   [ -f "$site/vllm/entrypoints/launchers/cli_args.py" ] \
     || echo "from vllm.entrypoints.openai.cli_args import *  # noqa" > "$site/vllm/entrypoints/launchers/cli_args.py"
+  grep -q "^class VLLMClientError" "$site/vllm/exceptions.py" \
+    || printf '\n\nclass VLLMClientError(Exception):\n    """Named by Ray 2.60 Serve LLM."""\n' >> "$site/vllm/exceptions.py"
   printf '#!/bin/sh\nexec %s -c "import sys; from ray.scripts.scripts import main; sys.argv[0]=\\"ray\\"; sys.exit(main())" "$@"\n' \
     "$(command -v $py)" > /usr/local/bin/ray && chmod +x /usr/local/bin/ray
   echo "$ROOT/src" > "$site/lmfleet-src.pth"
