@@ -6,7 +6,7 @@
 Each summary is one trace (its window and factors are in the table); arms are lmfleet's policies and, where the
 run had ``--litellm``, the real LiteLLM proxy. Writes ``report.md`` (the table, then per trace which of issue 48's
 targets held: :func:`lmfleet.bench.policy_report.targets`) and ``attainment_vs_spend.png`` (one panel per trace:
-SLO attainment against provider dollars, one point per arm).
+SLO attainment against provider dollars, one point per arm, the oracle's dollars dotted).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import argparse
 import json
 from pathlib import Path
 
-from lmfleet.bench.policy_report import Row, attribution, markdown, rows, targets
+from lmfleet.bench.policy_report import Row, attribution, markdown, rows, targets, trace_label
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
 
-def plot(by_trace: dict[str, list[Row]], path: Path) -> None:
+def plot(by_trace: dict[str, list[Row]], oracle: dict[str, float], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,6 +37,10 @@ def plot(by_trace: dict[str, list[Row]], path: Path) -> None:
         ax.set_ylabel("TTFT SLO attained (%)")
         ax.set_ylim(-2, 104)
         ax.axhline(99, color="grey", lw=0.6, ls="--")
+        if oracle.get(trace):
+            ax.axvline(oracle[trace], color="grey", lw=0.6, ls=":")
+            ax.annotate("oracle $", (oracle[trace], 50), fontsize=8, rotation=90, xytext=(2, 0),
+                        textcoords="offset points")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -53,6 +57,7 @@ def main() -> None:
         ap.error("no summary.json given")
     by_trace: dict[str, list[Row]] = {}
     credits: set[str] = set()
+    oracle: dict[str, float] = {}
     for f in files:
         s = json.loads(f.read_text())
         t = s.get("trace") or {}
@@ -62,6 +67,7 @@ def main() -> None:
             credits.add(credit)
         for r in rows(s):
             by_trace.setdefault(r.trace, []).append(r)
+        oracle[trace_label(s)] = float((s.get("oracle") or {}).get("spend_usd") or 0.0)
     a.out.mkdir(parents=True, exist_ok=True)
     text = ["# Overflow policies per trace", "", markdown([r for rs in by_trace.values() for r in rs])]
     text += [f"Trace: {c}" for c in sorted(credits)] + [""]
@@ -70,7 +76,7 @@ def main() -> None:
         text.append(f"- {trace}: " + "; ".join(f"{k}: {'–' if v is None else ('met' if v else 'MISSED')}"
                                                for k, v in held.items()))
     (a.out / "report.md").write_text("\n".join(text) + "\n")
-    plot(by_trace, a.out / "attainment_vs_spend.png")
+    plot(by_trace, oracle, a.out / "attainment_vs_spend.png")
     print("\n".join(text))
     print(f"\nwritten to {a.out}")
 
