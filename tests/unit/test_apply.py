@@ -105,10 +105,9 @@ def test_keys_applied_live_are_stored_as_the_next_version(tmp_path: Path, store:
 @pytest.mark.parametrize(("changes", "refused_key"), [
     ({}, "budget.daily_usd (none)"),  # a gateway setting not taken live yet
     ({"gateway": {"port": 9000}}, "gateway.port (restart needed)"),
-    ({"models": [{"name": "m", "source": "builtin:tiny-random", "overflow": {"providers": ["p"]},
-                  "deployment": {"replicas": 2}}]}, "models[m].deployment.replicas (in place)"),
-    ({"models": [{"name": "m", "source": "builtin:tiny-random", "overflow": {"providers": ["p"]},
-                  "engine": {"max_num_seqs": 8}}]}, "models[m].engine.max_num_seqs (replica replacement)"),
+    ({"models": [{"name": "m", "source": "builtin:tiny-random", "overflow": {"providers": ["p"]}},
+                 {"name": "n", "source": "builtin:tiny-random"}]}, "models[n] (new model)"),
+    ({"tenants": [{"name": "t", "api_keys_env": "T_KEYS"}]}, "tenants[t] (none)"),
 ])
 def test_changes_that_cannot_be_applied_live_change_nothing(tmp_path: Path, store: FleetStore,
                                                             changes: dict, refused_key: str) -> None:
@@ -187,3 +186,19 @@ async def test_admin_state_shows_the_fleet_version(tmp_path: Path) -> None:
     app_.state.gateway.fleet_watch = watch = FleetWatch(lambda: 4)
     await watch.poll_once()
     assert (await client.get("/admin/state", headers=admin)).json()["fleet_version"] == 4
+
+
+@pytest.mark.parametrize(("deployment", "engine", "said"), [
+    ({"replicas": 2}, {}, "redeploys m (in place)"),
+    ({"replicas": 2}, {"max_num_seqs": 8}, "redeploys m (replica replacement)"),
+    ({}, {"max_num_seqs": 8}, "redeploys m (replica replacement)"),
+])
+def test_serve_side_changes_are_stored_for_the_serve_process_to_redeploy(tmp_path: Path, store: FleetStore,
+                                                                        deployment: dict, engine: dict,
+                                                                        said: str) -> None:
+    new = fleet_with()
+    new["models"][0].update(deployment=deployment, engine=engine)
+    result = run_apply(tmp_path, new)
+    assert result.exit_code == 0, result.output
+    assert "now version 2" in result.output and said in result.output
+    assert store.read().fleet == parse_config(new)

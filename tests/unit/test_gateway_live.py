@@ -116,8 +116,8 @@ async def test_changes_a_process_cannot_take_live_are_reported_and_left(tmp_path
     gw = app.state.gateway
     live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
     before = gw.providers["p"]
-    taken = live.take(changed(live.fleet, gateway__port=9000, models__deployment__replicas=3))
-    assert taken.applied == [] and [c.path for c in taken.ignored] == ["gateway.port", "models[m].deployment.replicas"]
+    taken = live.take(changed(live.fleet, gateway__port=9000, models__cost__gpu_hour_usd=3.0))
+    assert taken.applied == [] and [c.path for c in taken.ignored] == ["gateway.port", "models[m].cost.gpu_hour_usd"]
     assert gw.providers["p"] is before
     assert live.fleet.gateway.port == 9000  # the next version is compared with this one
 
@@ -151,6 +151,39 @@ async def test_while_replicas_are_replaced_the_capacity_counts_only_the_running_
     gw.health.refresh_from(serve_status(running=2, state="HEALTHY"))
     assert (m.app.capacity, m.local.tracker.capacity) == (8, 8)
     assert during > gw.router.estimate(m)  # the same load, counted against half the capacity: a longer wait
+
+
+# (new deployment/engine keys, Serve's replicas running after the version, state, the capacity counted)
+CAPACITY_CASES = [
+    ({"replicas": 4}, {}, 2, "UPSCALING", 8),  # scaling up: half of the new four run, what ran before
+    ({"replicas": 4}, {}, 4, "HEALTHY", 16),
+    ({"replicas": 1}, {}, 1, "HEALTHY", 4),  # scaled down
+    ({"replicas": 2, "max_ongoing_requests": 2}, {}, 2, "HEALTHY", 4),
+    ({"replicas": 2}, {"max_num_seqs": 3}, 2, "HEALTHY", 6),  # the new engines run 3 each
+    ({"replicas": 2}, {"max_num_seqs": 3}, 1, "UPDATING", 3),  # one of two replaced: half of the new capacity
+]
+
+
+@pytest.mark.parametrize(("deployment", "engine", "running", "state", "capacity"), CAPACITY_CASES)
+async def test_a_new_versions_replicas_and_engine_options_set_the_capacity_counted(
+        tmp_path, deployment: dict, engine: dict, running: int, state: str, capacity: int) -> None:
+    model = {"name": "m", "source": "builtin:tiny-random", "overflow": {"threshold_ms": 1000},
+             "deployment": {"replicas": 2, "max_ongoing_requests": 4, "request_timeout_s": 10}}
+    app = make_gateway(tmp_path, local_never, {"p": local_never}, extra={"models": [model]})
+    gw = app.state.gateway
+    gw.health.app_names = {"m": "m"}
+    gw.health.refresh_from(serve_status(running=2, state="HEALTHY"))
+    assert gw.models["m"].app.capacity == 8
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
+    new = live.fleet.model_dump(mode="json")
+    new["models"][0]["deployment"].update(deployment)
+    new["models"][0]["engine"].update(engine)
+    taken = live.take(parse_config(new))
+    assert taken.ignored == [] and taken.applied
+    gw.health.refresh_from(serve_status(running=running, state=state))
+    m = gw.models["m"]
+    assert (m.app.capacity, m.local.tracker.capacity) == (capacity, capacity)
+    assert m.app.cfg.deployment == parse_config(new).models[0].deployment
 
 
 async def test_a_budget_cap_changes_live_where_the_gateway_holds_a_spend_store(tmp_path) -> None:

@@ -58,6 +58,7 @@ from lmfleet.serve.gateway_proc import (
     watch_workers,
 )
 from lmfleet.serve.processes import ProcessReaper
+from lmfleet.serve.rollout import ServeFollower
 from lmfleet.serve.timing import Phases
 from lmfleet.serve.proxy import (
     ProxyError,
@@ -183,7 +184,8 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
                         fetch_status=serve_status_fetcher(), fetch_engine_metrics=ray_metrics_fetcher())
     health = app.state.gateway.health
     attach_peers(app, host, port, role="serve", period_s=fleet.gateway.peers_period_s)
-    attach_fleet_watch(app, fleet)
+    follower = ServeFollower(fleet, lambda f: build_model_apps(f, progress=progress), deploy, progress)
+    attach_fleet_watch(app, fleet, follow=follower.follow)  # `lmfleet apply`: settings here, redeploys by follower
     try:
         sock = listen_socket(host, port, reuse_port=workers > 1)
     except OSError as e:

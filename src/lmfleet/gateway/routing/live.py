@@ -29,14 +29,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from lmfleet.config.diff import Change, applies_live, diff_fleets
-from lmfleet.config.models import FleetConfig, ProviderConfig
+from lmfleet.config.models import FleetConfig, ModelConfig, ProviderConfig
 from lmfleet.gateway.routing.backends import ProviderBackend
 from lmfleet.gateway.routing.health import HealthBoard
 from lmfleet.gateway.routing.router import Router
+from lmfleet.engine.app import ModelApp
 from lmfleet.gateway.routing.served import ServedModel
 from lmfleet.gateway.relay.upstream import HttpPool
 from lmfleet.overflow import providers_for
-from lmfleet.overflow.estimator import serving_capacity
+from lmfleet.overflow.cost import local_hourly_cost_usd
+from lmfleet.overflow.estimator import local_capacity, serving_capacity
 from lmfleet.overflow.policies import PolicyTimers
 from lmfleet.store import caps_for_budget
 
@@ -115,25 +117,44 @@ class LiveFleet:
             o, n = before.overflow, after.overflow
             if n != o:  # the router reads enabled, hysteresis and the cold-start figures from here at admission
                 m.app = replace(m.app, cfg=m.app.cfg.model_copy(update={"overflow": n}))
+            if (before.deployment, before.engine) != (after.deployment, after.engine):
+                m.app = serving_record(m.app, after)  # RunningCapacity counts the new capacity at the next poll
             if n.threshold_ms != o.threshold_ms:
                 m.threshold_ms = n.threshold_ms
             if any(getattr(n, k) != getattr(o, k) for k in _TIMER_KEYS):
                 m.timers = PolicyTimers.from_config(n)
 
 
+def serving_record(app: ModelApp, model: ModelConfig) -> ModelApp:
+    """``app`` after a new version changed the model's deployment or engine section (``lmfleet serve`` redeploys
+    it): the configuration the capacity and the hourly cost are counted from, the context length."""
+    cfg = app.cfg.model_copy(update={"deployment": model.deployment, "engine": model.engine})
+    return replace(app, cfg=cfg, max_model_len=model.engine.max_model_len or app.max_model_len,
+                   hourly_cost_usd=local_hourly_cost_usd(cfg, uses_gpus=app.device == "gpu"))
+
+
 class RunningCapacity:
     """Each model's capacity (``ModelApp.capacity`` and its load tracker's) follows its running replicas, as
-    Serve's status reports them to ``health``; call :meth:`update` after each refresh."""
+    Serve's status reports them to ``health``, and its configuration (a new version's replicas or engine
+    options: :func:`serving_record`); call :meth:`update` after each refresh."""
 
     def __init__(self, models: dict[str, ServedModel], health: HealthBoard) -> None:
         self._models = models
         self._health = health
-        self._full = {name: m.app.capacity for name, m in models.items()}
+        self._full = {name: (m.app.cfg, m.app.capacity) for name, m in models.items()}
+        """Model -> (the configuration its full capacity was counted from, that capacity)."""
+
+    def full(self, name: str, m: ServedModel) -> int:
+        cfg, full = self._full[name]
+        if (cfg.deployment, cfg.engine) != (m.app.cfg.deployment, m.app.cfg.engine):
+            full = local_capacity(m.app.cfg)
+            self._full[name] = (m.app.cfg, full)
+        return full
 
     def update(self) -> None:
         for name, m in self._models.items():
             h = self._health.models.get(name)
-            capacity = serving_capacity(m.app.cfg, self._full[name], h.running_replicas if h is not None else 0)
+            capacity = serving_capacity(m.app.cfg, self.full(name, m), h.running_replicas if h is not None else 0)
             if capacity != m.app.capacity:
                 log.info("gateway: model %s: capacity %d -> %d (%d replicas running)", name, m.app.capacity,
                          capacity, h.running_replicas if h is not None else 0)
