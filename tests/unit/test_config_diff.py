@@ -206,7 +206,13 @@ def test_engine_fingerprint_is_stable_salted_and_reads_a_split_only_as_set() -> 
     ({}, "models.0.deployment.autoscaling", {"min_replicas": 1, "max_replicas": 2}, True),
     ({}, "models.2", {"name": "o", "source": "builtin:tiny-random"}, False),  # a new model: not yet
     ({}, "models.1", DELETE, False),  # a model removed: not yet
-    ({}, "tenants.0.limits.requests_per_minute", 120, False),  # tenants: not yet (PUT /admin/tenants/NAME)
+    ({}, "tenants.0.limits.requests_per_minute", 120, True),  # as PUT /admin/tenants/NAME does
+    ({}, "tenants.0.models", ["m"], True),
+    ({}, "tenants.0.limits.daily_usd", 5.0, False),  # no spend store to enforce a first cap with
+    ({"budget": {"daily_usd": 50.0}}, "tenants.0.limits.daily_usd", 5.0, True),
+    ({}, "tenants.1", {"name": "beta", "api_keys_env": "BETA_KEYS"}, False),  # a tenant added: its keys, its queue
+    ({}, "tenants.0.api_keys_env", "OTHER_KEYS", False),
+    ({}, "priority_classes", [{"name": "interactive", "order": 0}], False),
     ({}, "gateway.port", 9000, False),
     ({}, "providers.0.api_key_env", "OTHER_KEY", False),  # a running process's environment is fixed
     ({}, "providers.1", NEW_PROVIDER, True),

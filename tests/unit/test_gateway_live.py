@@ -224,3 +224,32 @@ async def test_a_provider_added_and_one_removed(tmp_path) -> None:
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/q"
     assert old_p.in_flight == 0
+
+
+# ------------------------------------------------------------------------------------------------ tenants
+async def test_a_kept_tenants_new_settings_apply_unless_an_operator_set_them(tmp_path) -> None:
+    (tmp_path / "a.keys").write_text("sk-tenant-a-1\n")
+    (tmp_path / "b.keys").write_text("sk-tenant-b-1\n")
+    tenants = [{"name": n, "api_keys_file": str(tmp_path / f"{n}.keys"), "limits": {"max_concurrency": 4}}
+               for n in ("a", "b")]
+    app = make_gateway(tmp_path, local_never, {"p": local_never}, extra={"tenants": tenants})
+    gw = app.state.gateway
+    c = await started_client(app)  # the lifespan builds the tenant admin
+    admin = app.state.tenant_admin
+    r = await c.put("/admin/tenants/b", json={"limits": {"max_concurrency": 1}}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    running = parse_config({**running_fleet(app).model_dump(mode="json"), "tenants": tenants})
+    live = LiveFleet(running, gw.router, gw.providers, gw.clients, tenant_admin=admin)
+    new = live.fleet.model_dump(mode="json")
+    for t in new["tenants"]:
+        t["limits"]["max_concurrency"] = 2
+        t["limits"]["requests_per_minute"] = 60
+    taken = live.take(parse_config(new))
+    assert taken.ignored == [] and len(taken.applied) == 4
+    a, b = gw.tenants.tenants["a"], gw.tenants.tenants["b"]
+    assert (a.limits.max_concurrency, a.limits.requests_per_minute) == (2, 60)
+    assert gw.tenants.resolve("sk-tenant-a-1") is a  # its keys resolve to the new settings
+    assert b.limits.max_concurrency == 1  # the operator's run-time setting holds b ...
+    r = await c.delete("/admin/tenants/b", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    assert gw.tenants.tenants["b"].limits.max_concurrency == 2  # ... until reverted: to the new version's

@@ -39,7 +39,7 @@ from pydantic import BaseModel
 from lmfleet.config.fleet import FleetConfig
 from lmfleet.config.redact import redact
 
-__all__ = ["APPLIED_LIVE", "CLASSIFICATION", "COSTS", "ENGINE_KEYS", "SERVE_APPLIED", "Change", "Cost", "Where",
+__all__ = ["APPLIED_LIVE", "CLASSIFICATION", "COSTS", "ENGINE_KEYS", "SERVE_APPLIED", "TENANT_APPLIED", "Change", "Cost", "Where",
            "applies_live", "classify", "diff_fleets", "engine_fingerprint", "has_spend_store", "needs_restart",
            "schema_paths"]
 
@@ -131,7 +131,15 @@ SERVE_APPLIED: frozenset[str] = frozenset(
 :func:`engine_fingerprint`), ``replica replacement`` keys replace them one at a time. A file that changes any key
 outside these sets is refused whole: nothing changes."""
 
-SPEND_CAP_KEYS = frozenset({"budget.hourly_usd", "budget.daily_usd"})
+TENANT_APPLIED: frozenset[str] = frozenset({
+    "tenants[].limits.requests_per_minute", "tenants[].limits.tokens_per_minute", "tenants[].limits.max_concurrency",
+    "tenants[].models", "tenants[].priority", "tenants[].max_priority", "tenants[].batch_may_use_providers"})
+"""A kept tenant's settings (what ``PUT /admin/tenants/NAME`` may change too): every gateway process applies them
+as that API does (:class:`lmfleet.tenants.admin.TenantAdmin`), unless an operator's run-time setting holds the
+tenant. A tenant added or removed, its keys, and the priority classes are not applied live."""
+
+SPEND_CAP_KEYS = frozenset({"budget.hourly_usd", "budget.daily_usd", "tenants[].limits.hourly_usd",
+                            "tenants[].limits.daily_usd"})
 
 
 def has_spend_store(fleet: FleetConfig) -> bool:
@@ -142,9 +150,11 @@ def has_spend_store(fleet: FleetConfig) -> bool:
 
 
 def applies_live(change: "Change", running: FleetConfig) -> bool:
-    """Whether ``lmfleet apply`` carries out ``change`` on the ``running`` fleet: a key of :data:`APPLIED_LIVE`, or
-    a budget cap where the running fleet's gateways hold a spend store (:func:`has_spend_store`)."""
+    """Whether ``lmfleet apply`` carries out ``change`` on the ``running`` fleet: a key of :data:`APPLIED_LIVE`,
+    :data:`SERVE_APPLIED` or :data:`TENANT_APPLIED`, or a USD cap (the budget's, a tenant's) where the running
+    fleet's gateways hold a spend store (:func:`has_spend_store`)."""
     return (change.schema_path in APPLIED_LIVE or change.schema_path in SERVE_APPLIED
+            or change.schema_path in TENANT_APPLIED
             or (change.schema_path in SPEND_CAP_KEYS and has_spend_store(running)))
 
 

@@ -144,7 +144,7 @@ def attach_fleet_watch(app: Any, fleet: FleetConfig,
 
     gw = app.state.gateway
     store = FleetStore(RayKV())
-    live = LiveFleet(fleet, gw.router, gw.providers, gw.clients)
+    live = LiveFleet(fleet, gw.router, gw.providers, gw.clients, tenant_admin=app.state.tenant_admin)
 
     async def take(version: int) -> None:
         stored = await asyncio.to_thread(store.read, version)

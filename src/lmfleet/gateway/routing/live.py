@@ -17,6 +17,11 @@ What "a request finishes under the settings it was admitted with" rests on:
 
 Values the operator changed at run time (``POST /admin/overflow``) stay unless the new version changes that key.
 
+A kept tenant's settings (limits, models, classes) go through the process's tenant admin, as ``PUT
+/admin/tenants/NAME`` does; a tenant an operator set at run time keeps those settings until they are reverted (to
+the new version's). A model's new deployment or engine section (the ``lmfleet serve`` process redeploys it) sets
+the capacity counted (:func:`serving_record`).
+
 :class:`RunningCapacity`: while a model runs fewer replicas than configured (its engines being replaced, a node
 lost), its capacity counts only the running ones (:func:`lmfleet.overflow.estimator.serving_capacity`).
 """
@@ -27,6 +32,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from lmfleet.config.diff import Change, applies_live, diff_fleets
 from lmfleet.config.models import FleetConfig, ModelConfig, ProviderConfig
@@ -41,6 +47,8 @@ from lmfleet.overflow.cost import local_hourly_cost_usd
 from lmfleet.overflow.estimator import local_capacity, serving_capacity
 from lmfleet.overflow.policies import PolicyTimers
 from lmfleet.store import caps_for_budget
+from lmfleet.tenants import Tenant
+from lmfleet.tenants.admin import settings_of
 
 log = logging.getLogger("lmfleet.gateway")
 
@@ -70,7 +78,8 @@ class LiveFleet:
     """The fleet this gateway process runs under, and the swap to a new version."""
 
     def __init__(self, fleet: FleetConfig, router: Router, providers: dict[str, ProviderBackend],
-                 clients: list[HttpPool], environ: Mapping[str, str] | None = None) -> None:
+                 clients: list[HttpPool], environ: Mapping[str, str] | None = None,
+                 tenant_admin: Any | None = None) -> None:
         self.fleet = fleet
         self._router = router
         self._models = router.models
@@ -78,6 +87,9 @@ class LiveFleet:
         self._clients = clients
         """The gateway's connection pools (closed at shutdown): a new provider's pool joins them."""
         self._environ = os.environ if environ is None else environ
+        self._tenant_admin = tenant_admin
+        """The process's :class:`~lmfleet.tenants.admin.TenantAdmin` (None: no tenants): a kept tenant's new
+        settings go through it, as a ``PUT /admin/tenants/NAME`` does."""
 
     def take(self, new: FleetConfig) -> Taken:
         """Swap in ``new``'s live keys; returns what changed and what could not."""
@@ -97,6 +109,8 @@ class LiveFleet:
             self._router.budget = new.budget
             if self._router.guard is not None:
                 self._router.guard.caps = caps_for_budget(new.budget)
+        if self._tenant_admin is not None and new.tenants != old.tenants:
+            self._swap_tenants(old, new)
         fresh: dict[str, ProviderBackend] = {}
         for cfg in new.providers:
             backend = self._providers.get(cfg.name)
@@ -123,6 +137,19 @@ class LiveFleet:
                 m.threshold_ms = n.threshold_ms
             if any(getattr(n, k) != getattr(o, k) for k in _TIMER_KEYS):
                 m.timers = PolicyTimers.from_config(n)
+
+    def _swap_tenants(self, old: FleetConfig, new: FleetConfig) -> None:
+        """Each kept tenant's new settings: what a reverted run-time setting goes back to, and in force unless an
+        operator's run-time setting (``PUT /admin/tenants/NAME``) holds the tenant."""
+        admin = self._tenant_admin
+        before = {t.name: t for t in old.tenants}
+        for t in new.tenants:
+            if t.name not in admin.directory.tenants or before.get(t.name) == t:
+                continue
+            settings = settings_of(Tenant.from_config(t, admin.book.classes))
+            admin.file[t.name] = settings
+            if t.name not in admin.overrides:
+                admin.apply(t.name, settings)
 
 
 def serving_record(app: ModelApp, model: ModelConfig) -> ModelApp:
