@@ -204,8 +204,8 @@ def test_engine_fingerprint_is_stable_salted_and_reads_a_split_only_as_set() -> 
     ({}, "models.0.deployment.replicas", 2, True),  # the serve process redeploys in place
     ({}, "models.0.engine.max_num_seqs", 8, True),  # ... replacing the replicas
     ({}, "models.0.deployment.autoscaling", {"min_replicas": 1, "max_replicas": 2}, True),
-    ({}, "models.2", {"name": "o", "source": "builtin:tiny-random"}, False),  # a new model: not yet
-    ({}, "models.1", DELETE, False),  # a model removed: not yet
+    ({}, "models.2", {"name": "o", "source": "builtin:tiny-random"}, True),  # deployed by the serve process
+    ({}, "models.1", DELETE, True),  # deleted once its requests in flight ended
     ({}, "tenants.0.limits.requests_per_minute", 120, True),  # as PUT /admin/tenants/NAME does
     ({}, "tenants.0.models", ["m"], True),
     ({}, "tenants.0.limits.daily_usd", 5.0, False),  # no spend store to enforce a first cap with

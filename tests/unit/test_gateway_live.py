@@ -253,3 +253,51 @@ async def test_a_kept_tenants_new_settings_apply_unless_an_operator_set_them(tmp
     r = await c.delete("/admin/tenants/b", headers=ADMIN)
     assert r.status_code == 200, r.text
     assert gw.tenants.tenants["b"].limits.max_concurrency == 2  # ... until reverted: to the new version's
+
+
+# ------------------------------------------------------------------------------------------------ models
+async def test_a_model_added_is_served_and_a_model_removed_takes_no_new_request(tmp_path) -> None:
+    from lmfleet.engine.app import resolve_model
+    from lmfleet.gateway.routing.live import NewModels
+
+    app = make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m")),
+                       {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))})
+    gw = app.state.gateway
+    c = await started_client(app)
+    prepared: list[str] = []
+
+    def prepare(f):  # what gateway_model_apps does, without weights
+        prepared.extend(m.name for m in f.models)
+        return [(resolve_model(m, str(tmp_path / "no-weights")), None) for m in f.models]
+
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients, health=gw.health,
+                     new_models=NewModels(prepare, gw.new_model.make))
+    data = live.fleet.model_dump(mode="json")
+    data["models"].append({**data["models"][0], "name": "n"})
+    data["providers"][0]["model_map"]["n"] = "p-n"
+    taken = await live.take_version(parse_config(data))
+    assert {ch.path for ch in taken.applied} == {"models[n]", "providers[p].model_map"} and prepared == ["n"]
+    assert gw.models["n"].providers == [gw.providers["p"]] and gw.health.app_names["n"] == "lmfleet-n"
+    r = await c.post("/v1/chat/completions", json={**CHAT, "model": "n"})
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/n"
+
+    data["models"] = [m for m in data["models"] if m["name"] != "m"]
+    data["providers"][0]["model_map"] = {"n": "p-n"}
+    taken = await live.take_version(parse_config(data))
+    assert {(ch.path, ch.cost) for ch in taken.applied} == {("models[m]", "model removed"),
+                                                             ("providers[p].model_map", "none")}
+    assert "m" not in gw.models and "m" not in gw.health.models
+    assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 404
+    assert (await c.get("/ready")).status_code == 200  # the removed model is not waited for
+    gw.health.mark_failed("m", "a request it admitted earlier failed")
+    assert "m" not in gw.health.models
+
+
+async def test_a_model_added_without_a_way_to_serve_it_here_waits_for_a_restart(tmp_path) -> None:
+    app = make_gateway(tmp_path, local_never, {"p": local_never})
+    gw = app.state.gateway
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)  # no NewModels
+    data = live.fleet.model_dump(mode="json")
+    data["models"].append({**data["models"][0], "name": "n"})
+    taken = await live.take_version(parse_config(data))
+    assert taken.applied == [] and [ch.path for ch in taken.ignored] == ["models[n]"] and "n" not in gw.models

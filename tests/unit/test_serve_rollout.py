@@ -22,8 +22,12 @@ BASE: dict[str, Any] = {
 def fleet(**model_edits: dict[str, Any]) -> Any:
     """BASE with ``a={"deployment": {...}}``-style edits merged into the named model's sections."""
     data = copy.deepcopy(BASE)
+    if "c" in model_edits:
+        data["models"].append({"name": "c", "source": "builtin:tiny-random"})
+    if "b" in model_edits and model_edits["b"] is None:
+        data["models"] = [m for m in data["models"] if m["name"] != "org/b:1"]
     for m in data["models"]:
-        for section, values in model_edits.get(m["name"].removeprefix("org/").removesuffix(":1"), {}).items():
+        for section, values in (model_edits.get(m["name"].removeprefix("org/").removesuffix(":1")) or {}).items():
             if isinstance(values, dict):
                 m.setdefault(section, {}).update(values)
             else:
@@ -44,6 +48,10 @@ CASES = [
     ({"a": {"deployment": {"replicas": 2}, "engine": {"max_num_seqs": 8}}}, {"a": "replica replacement"}),
     ({"a": {"deployment": {"replicas": 2}}, "b": {"engine": {"max_num_seqs": 4}}},
      {"a": "in place", "org/b:1": "replica replacement"}),  # a name with a slash and a colon
+    ({"c": {}}, {"c": "new model"}),
+    ({"b": None}, {"org/b:1": "model removed"}),
+    ({"b": None, "c": {}, "a": {"engine": {"max_num_seqs": 8}}},
+     {"a": "replica replacement", "c": "new model", "org/b:1": "model removed"}),
 ]
 
 
@@ -84,3 +92,34 @@ async def test_a_refused_redeploy_is_reported_and_the_gateway_goes_on() -> None:
     assert plan == {"a": "replica replacement"} and follower.deployed_version is None
     assert any("failed: Ray Serve refused" in line for line in lines)
     assert await follower.follow(3, fleet(a={"engine": {"max_num_seqs": 8}})) == {}  # not retried
+
+
+class Tracker:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def snapshot(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(in_flight=self.n)
+
+
+async def test_a_removed_model_is_deleted_once_its_requests_in_flight_end() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    tracker = Tracker(2)
+    models = {"a": SimpleNamespace(local=SimpleNamespace(tracker=Tracker(0))),
+              "org/b:1": SimpleNamespace(local=SimpleNamespace(tracker=tracker))}
+    deleted: list[list[str]] = []
+    built: list[list[str]] = []
+    follower = ServeFollower(fleet(), lambda f: built.append([m.name for m in f.models]) or [], lambda apps: None,
+                             progress=lambda line: None, delete=deleted.append, models=models, drain_grace_s=0.05)
+    del models["org/b:1"]  # the gateway of this process stopped serving it before the follower runs
+    plan = await follower.follow(2, fleet(b=None, c={}))
+    assert plan == {"c": "new model", "org/b:1": "model removed"} and built == [["c"]]
+    await asyncio.sleep(0.3)
+    assert deleted == []  # two requests still in flight
+    tracker.n = 0
+    await asyncio.wait_for(follower.removals[0], 2)
+    assert deleted == [["lmfleet-org-b-1"]]

@@ -106,6 +106,7 @@ def apply(
                "gateway process takes it within 2 s (/admin/state: fleet_version)")
     plan = rollout_plan(changes)
     if plan:
-        typer.echo(f"Serve: the `lmfleet serve` process redeploys {describe(plan)} within 2 s: in place keeps the "
+        typer.echo(f"Serve: the `lmfleet serve` process deploys within 2 s: {describe(plan)}. In place keeps the "
                    "replicas; replica replacement replaces them one at a time while the gateways count only the "
-                   "running ones (`lmfleet cluster status`, /admin/state: running_replicas)")
+                   "running ones (/admin/state: running_replicas); a new model is served once its engines run; a "
+                   "removed model's application is deleted once its requests in flight end")

@@ -151,10 +151,10 @@ def has_spend_store(fleet: FleetConfig) -> bool:
 
 def applies_live(change: "Change", running: FleetConfig) -> bool:
     """Whether ``lmfleet apply`` carries out ``change`` on the ``running`` fleet: a key of :data:`APPLIED_LIVE`,
-    :data:`SERVE_APPLIED` or :data:`TENANT_APPLIED`, or a USD cap (the budget's, a tenant's) where the running
+    :data:`SERVE_APPLIED` or :data:`TENANT_APPLIED`, a model added or removed, or a USD cap (the budget's, a tenant's) where the running
     fleet's gateways hold a spend store (:func:`has_spend_store`)."""
     return (change.schema_path in APPLIED_LIVE or change.schema_path in SERVE_APPLIED
-            or change.schema_path in TENANT_APPLIED
+            or change.schema_path in TENANT_APPLIED or change.schema_path == "models[]"
             or (change.schema_path in SPEND_CAP_KEYS and has_spend_store(running)))
 
 

@@ -144,12 +144,13 @@ def attach_fleet_watch(app: Any, fleet: FleetConfig,
 
     gw = app.state.gateway
     store = FleetStore(RayKV())
-    live = LiveFleet(fleet, gw.router, gw.providers, gw.clients, tenant_admin=app.state.tenant_admin)
+    live = LiveFleet(fleet, gw.router, gw.providers, gw.clients, tenant_admin=app.state.tenant_admin,
+                     health=gw.health, new_models=gw.new_model)
 
     async def take(version: int) -> None:
         stored = await asyncio.to_thread(store.read, version)
         if stored is not None:
-            taken = live.take(stored.fleet)
+            taken = await live.take_version(stored.fleet)
             if taken.applied:
                 log.info("gateway: took version %d of the running fleet: %s", version,
                          ", ".join(c.path for c in taken.applied))

@@ -28,9 +28,10 @@ lost), its capacity counts only the running ones (:func:`lmfleet.overflow.estima
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -74,12 +75,23 @@ class Taken:
     file than the running fleet's can see some): they wait for a restart."""
 
 
+@dataclass(frozen=True)
+class NewModels:
+    """How this process serves a model a new version adds: ``prepare`` resolves the models of a fleet into their
+    records and tokenizers (blocking: weights may be built, a tokenizer read; run in a worker thread), ``make``
+    builds the served model from one with its provider backends (on the event loop)."""
+
+    prepare: Callable[[FleetConfig], list[tuple[ModelApp, Any]]]
+    make: Callable[[ModelApp, Any, list[ProviderBackend]], ServedModel]
+
+
 class LiveFleet:
     """The fleet this gateway process runs under, and the swap to a new version."""
 
     def __init__(self, fleet: FleetConfig, router: Router, providers: dict[str, ProviderBackend],
                  clients: list[HttpPool], environ: Mapping[str, str] | None = None,
-                 tenant_admin: Any | None = None) -> None:
+                 tenant_admin: Any | None = None, health: HealthBoard | None = None,
+                 new_models: NewModels | None = None) -> None:
         self.fleet = fleet
         self._router = router
         self._models = router.models
@@ -90,14 +102,29 @@ class LiveFleet:
         self._tenant_admin = tenant_admin
         """The process's :class:`~lmfleet.tenants.admin.TenantAdmin` (None: no tenants): a kept tenant's new
         settings go through it, as a ``PUT /admin/tenants/NAME`` does."""
+        self._health = health
+        self._new_models = new_models
 
-    def take(self, new: FleetConfig) -> Taken:
-        """Swap in ``new``'s live keys; returns what changed and what could not."""
+    async def take_version(self, new: FleetConfig) -> Taken:
+        """:meth:`take`, the models ``new`` adds prepared first in a worker thread."""
+        added = [m for m in new.models if m.name not in self._models]
+        prepared: list[tuple[ModelApp, Any]] = []
+        if added and self._new_models is not None:
+            prepared = await asyncio.to_thread(self._new_models.prepare, new.model_copy(update={"models": added}))
+        return self.take(new, prepared)
+
+    def take(self, new: FleetConfig, prepared: list[tuple[ModelApp, Any]] | None = None) -> Taken:
+        """Swap in ``new``'s live keys; returns what changed and what could not. ``prepared``: the added models'
+        records and tokenizers (:meth:`take_version`); an added model without one is left out here."""
         changes = diff_fleets(self.fleet, new)
-        applied = [c for c in changes if applies_live(c, self.fleet)]
-        ignored = [c for c in changes if not applies_live(c, self.fleet)]
+        ready = {a.name for a, _ in prepared or ()}
+        can = [c for c in changes if applies_live(c, self.fleet)
+               and not (c.cost == "new model" and _item_name(c.path) not in ready)]
+        applied = [c for c in changes if c in can]
+        ignored = [c for c in changes if c not in can]
         if applied:
             self._swap(self.fleet, new)
+            self._add_remove(new, [p for p in prepared or () if p[0].name in ready])
         self.fleet = new
         if ignored:
             log.warning("gateway: the running fleet's new version changes keys this process takes only at a "
@@ -152,6 +179,27 @@ class LiveFleet:
                 admin.apply(t.name, settings)
 
 
+    def _add_remove(self, new: FleetConfig, prepared: list[tuple[ModelApp, Any]]) -> None:
+        """Models removed stop taking requests (those admitted finish: they hold their model); models added are
+        served, not ready until Serve runs a replica of theirs (their requests go to providers meanwhile)."""
+        for name in [n for n in self._models if new.model(n) is None]:
+            del self._models[name]
+            if self._health is not None:
+                self._health.forget(name)
+        for app, tokenizer in prepared:
+            if app.name in self._models or self._new_models is None:
+                continue
+            backends = [self._providers[p.name] for p in providers_for(app.cfg, new.providers)]
+            self._models[app.name] = self._new_models.make(app, tokenizer, backends)
+            if self._health is not None:
+                self._health.watch(app.name, app.app_name)
+
+
+def _item_name(path: str) -> str:
+    """``models[tiny]`` -> ``tiny``."""
+    return path[path.index("[") + 1:-1]
+
+
 def serving_record(app: ModelApp, model: ModelConfig) -> ModelApp:
     """``app`` after a new version changed the model's deployment or engine section (``lmfleet serve`` redeploys
     it): the configuration the capacity and the hourly cost are counted from, the context length."""
@@ -172,7 +220,7 @@ class RunningCapacity:
         """Model -> (the configuration its full capacity was counted from, that capacity)."""
 
     def full(self, name: str, m: ServedModel) -> int:
-        cfg, full = self._full[name]
+        cfg, full = self._full.setdefault(name, (m.app.cfg, m.app.capacity))  # a model added live: its own
         if (cfg.deployment, cfg.engine) != (m.app.cfg.deployment, m.app.cfg.engine):
             full = local_capacity(m.app.cfg)
             self._full[name] = (m.app.cfg, full)
