@@ -211,3 +211,13 @@ def test_serve_side_changes_are_stored_for_the_serve_process_to_redeploy(tmp_pat
     assert result.exit_code == 0, result.output
     assert "now version 2" in result.output and said in result.output
     assert store.read().fleet == parse_config(new)
+
+
+def test_dry_run_says_what_serve_would_deploy(tmp_path: Path, store: FleetStore) -> None:
+    new = fleet_with()
+    new["models"][0]["engine"] = {"max_num_seqs": 8}
+    result = run_apply(tmp_path, new, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "replica replacement" in result.output
+    assert "dry run: 1 change(s); Serve would deploy: m (replica replacement); nothing changed" in result.output
+    assert store.current_version() == 1

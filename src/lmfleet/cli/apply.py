@@ -90,9 +90,11 @@ def apply(
     blocked = refused(changes, running.fleet)
     console.print(changes_table(changes, f"{config} against the running fleet (version {running.version}, "
                                          f"{running.source})", blocked))
+    plan = rollout_plan(changes)
     if dry_run:
-        note = f"; {len(blocked)} cannot be applied live yet" if blocked else ""
-        typer.echo(f"dry run: {len(changes)} change(s){note}; nothing changed")
+        note = f"; {len(blocked)} cannot be applied live" if blocked else ""
+        serve = f"; Serve would deploy: {describe(plan)}" if plan and not blocked else ""
+        typer.echo(f"dry run: {len(changes)} change(s){note}{serve}; nothing changed")
         raise typer.Exit(0)
     if blocked:
         keys = ", ".join(f"{c.path} ({c.cost})" for c in blocked)
@@ -104,7 +106,6 @@ def apply(
         fail(str(e), EXIT_REFUSED)
     typer.echo(f"applied: the running fleet is now version {stored.version} ({len(changes)} change(s)); every "
                "gateway process takes it within 2 s (/admin/state: fleet_version)")
-    plan = rollout_plan(changes)
     if plan:
         typer.echo(f"Serve: the `lmfleet serve` process deploys within 2 s: {describe(plan)}. In place keeps the "
                    "replicas; replica replacement replaces them one at a time while the gateways count only the "
