@@ -123,3 +123,10 @@ async def test_a_removed_model_is_deleted_once_its_requests_in_flight_end() -> N
     tracker.n = 0
     await asyncio.wait_for(follower.removals[0], 2)
     assert deleted == [["lmfleet-org-b-1"]]
+
+
+def test_a_removal_waits_for_every_gateway_to_read_the_version() -> None:
+    from lmfleet.gateway.routing.fleet_watch import FLEET_POLL_S
+    from lmfleet.serve.rollout import DRAIN_GRACE_S
+
+    assert DRAIN_GRACE_S >= 2 * FLEET_POLL_S

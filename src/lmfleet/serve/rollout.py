@@ -36,8 +36,6 @@ from typing import Any
 
 from lmfleet.config.diff import COSTS, SERVE_APPLIED, Change, Cost, diff_fleets
 from lmfleet.config.models import FleetConfig
-from lmfleet.engine.app import model_app_name
-from lmfleet.gateway.routing.fleet_watch import FLEET_POLL_S
 
 __all__ = ["ServeFollower", "rollout_plan"]
 
@@ -45,9 +43,10 @@ log = logging.getLogger("lmfleet.serve")
 
 _MODEL = re.compile(r"^models\[(?P<name>.+?)\](\.|$)")
 
-DRAIN_GRACE_S = 2 * FLEET_POLL_S
+DRAIN_GRACE_S = 4.0
 """Before a removed model's application is deleted: every gateway process has read the version and stopped
-admitting its requests."""
+admitting its requests (twice the gateways' poll, :data:`lmfleet.gateway.routing.fleet_watch.FLEET_POLL_S`; not
+imported: ``lmfleet apply`` imports this module and must not pay for the gateway's imports)."""
 MAX_DRAIN_S = 600.0
 """The longest wait for a removed model's requests in flight (its ``request_timeout_s`` when shorter)."""
 
@@ -144,6 +143,8 @@ class ServeFollower:
         if left:
             log.warning("lmfleet: version %d: deleting %s with requests still in flight after %.0f s: %s", version,
                         names, bound_s, left)
+        from lmfleet.engine.app import model_app_name
+
         try:
             await asyncio.to_thread(self._delete, [model_app_name(n) for n in names])
         except Exception as e:  # noqa: BLE001
