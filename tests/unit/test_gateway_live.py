@@ -301,3 +301,23 @@ async def test_a_model_added_without_a_way_to_serve_it_here_waits_for_a_restart(
     data["models"].append({**data["models"][0], "name": "n"})
     taken = await live.take_version(parse_config(data))
     assert taken.applied == [] and [ch.path for ch in taken.ignored] == ["models[n]"] and "n" not in gw.models
+
+
+
+async def test_a_model_that_cannot_be_prepared_here_leaves_the_other_changes_applied(tmp_path) -> None:
+    from lmfleet.gateway.routing.live import NewModels
+
+    app = make_gateway(tmp_path, local_never, {"p": local_never})
+    gw = app.state.gateway
+
+    def prepare(f):
+        raise OSError("no weights here")
+
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients, health=gw.health,
+                     new_models=NewModels(prepare, gw.new_model.make))
+    data = live.fleet.model_dump(mode="json")
+    data["models"].append({**data["models"][0], "name": "n"})
+    data["models"][0]["overflow"]["threshold_ms"] = 123.0
+    taken = await live.take_version(parse_config(data))
+    assert [ch.path for ch in taken.ignored] == ["models[n]"] and "n" not in gw.models
+    assert gw.models["m"].threshold_ms == 123.0

@@ -110,7 +110,11 @@ class LiveFleet:
         added = [m for m in new.models if m.name not in self._models]
         prepared: list[tuple[ModelApp, Any]] = []
         if added and self._new_models is not None:
-            prepared = await asyncio.to_thread(self._new_models.prepare, new.model_copy(update={"models": added}))
+            try:
+                prepared = await asyncio.to_thread(self._new_models.prepare, new.model_copy(update={"models": added}))
+            except Exception as e:  # noqa: BLE001 - the version's other changes still apply here
+                log.error("gateway: cannot serve the models %s a new version adds (%s); the other changes apply",
+                          [m.name for m in added], e)
         return self.take(new, prepared)
 
     def take(self, new: FleetConfig, prepared: list[tuple[ModelApp, Any]] | None = None) -> Taken:
