@@ -25,6 +25,11 @@ PowerOfTwoChoicesRequestRouter``                        prompt in ``request_rout
 ``_internal_kv_put``                                    kept in the GCS so that every process of the cluster
                                                         reads the same one (``lmfleet apply``; a detached
                                                         actor would die with its node)
+``ray.serve.Application._bound_deployment``,            a deployment ``version`` of lmfleet's own on every
+``_ingress_request_router``, ``Deployment.options(       deployment of a model's application (Ray Serve LLM's
+version=..., _internal=True)``, ``Deployment.           builders set none: Serve then draws a random one per
+_deployment_config``                                    deploy, and every redeploy replaces every replica),
+                                                        and the rolling update's batch (no ``options`` key)
 =====================================================  ====================================================
 
 ``lmfleet.engine.prefix_router`` also subclasses the public ``PrefixCacheAffinityRouter`` and uses its private
@@ -104,3 +109,38 @@ def kv_put(key: str, value: bytes, *, overwrite: bool, namespace: str) -> bool:
     from ray.experimental.internal_kv import _internal_kv_put
 
     return bool(_internal_kv_put(key, value, overwrite, namespace=namespace))
+
+
+def stamp_versions(application: Any, version: str, **config: Any) -> Any:
+    """Give every deployment of a bound Serve application graph (the ingress, the deployments bound into its
+    arguments, its ingress request router) the deployment ``version`` and the ``DeploymentConfig`` values
+    ``config`` (e.g. ``rolling_update_percentage``, which ``Deployment.options`` does not take); returns the
+    application (changed in place). Serve compares versions on a redeploy: an unchanged one keeps the running
+    replicas (replica counts and lightweight options are changed on them), a new one replaces them."""
+    from ray.serve.deployment import Application
+
+    seen: set[int] = set()
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, Application):
+            if id(obj) in seen:
+                return
+            seen.add(id(obj))
+            dep = obj._bound_deployment
+            walk(dep.init_args)
+            walk(dep.init_kwargs)
+            stamped = dep.options(version=version, _internal=True)  # a copy: its config is its own
+            for key, value in config.items():
+                setattr(stamped._deployment_config, key, value)
+                stamped._deployment_config.user_configured_option_names.add(key)
+            obj._bound_deployment = stamped
+            walk(obj._ingress_request_router)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for item in obj:
+                walk(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item)
+
+    walk(application)
+    return application

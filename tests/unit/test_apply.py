@@ -105,10 +105,10 @@ def test_keys_applied_live_are_stored_as_the_next_version(tmp_path: Path, store:
 @pytest.mark.parametrize(("changes", "refused_key"), [
     ({}, "budget.daily_usd (none)"),  # a gateway setting not taken live yet
     ({"gateway": {"port": 9000}}, "gateway.port (restart needed)"),
-    ({"models": [{"name": "m", "source": "builtin:tiny-random", "overflow": {"providers": ["p"]},
-                  "deployment": {"replicas": 2}}]}, "models[m].deployment.replicas (in place)"),
-    ({"models": [{"name": "m", "source": "builtin:tiny-random", "overflow": {"providers": ["p"]},
-                  "engine": {"max_num_seqs": 8}}]}, "models[m].engine.max_num_seqs (replica replacement)"),
+    ({"providers": [{"name": "p", "base_url": "https://api.example.com/v1", "model_map": {"m": "pm"},
+                     "api_key_env": "OTHER", "price": {"input_per_1m": 1.0, "output_per_1m": 2.0}}]},
+     "providers[p].api_key_env (restart needed)"),
+    ({"tenants": [{"name": "t", "api_keys_env": "T_KEYS"}]}, "tenants[t] (none)"),
 ])
 def test_changes_that_cannot_be_applied_live_change_nothing(tmp_path: Path, store: FleetStore,
                                                             changes: dict, refused_key: str) -> None:
@@ -187,3 +187,37 @@ async def test_admin_state_shows_the_fleet_version(tmp_path: Path) -> None:
     app_.state.gateway.fleet_watch = watch = FleetWatch(lambda: 4)
     await watch.poll_once()
     assert (await client.get("/admin/state", headers=admin)).json()["fleet_version"] == 4
+
+
+@pytest.mark.parametrize(("deployment", "engine", "said"), [
+    ({"replicas": 2}, {}, "m (in place)"),
+    ({"replicas": 2}, {"max_num_seqs": 8}, "m (replica replacement)"),
+    ({}, {"max_num_seqs": 8}, "m (replica replacement)"),
+    (None, {}, "n (new model)"),
+    (None, None, "m (model removed)"),
+])
+def test_serve_side_changes_are_stored_for_the_serve_process_to_redeploy(tmp_path: Path, store: FleetStore,
+                                                                        deployment: dict, engine: dict,
+                                                                        said: str) -> None:
+    new = fleet_with()
+    if deployment is not None:
+        new["models"][0].update(deployment=deployment, engine=engine)
+    elif engine is not None:  # a model added
+        new["models"].append({"name": "n", "source": "builtin:tiny-random"})
+    else:  # the only model removed, another added in its place
+        new["models"] = [{"name": "n", "source": "builtin:tiny-random"}]
+        new["providers"][0]["model_map"] = {"n": "pn"}
+    result = run_apply(tmp_path, new)
+    assert result.exit_code == 0, result.output
+    assert "now version 2" in result.output and said in result.output
+    assert store.read().fleet == parse_config(new)
+
+
+def test_dry_run_says_what_serve_would_deploy(tmp_path: Path, store: FleetStore) -> None:
+    new = fleet_with()
+    new["models"][0]["engine"] = {"max_num_seqs": 8}
+    result = run_apply(tmp_path, new, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "replica replacement" in result.output
+    assert "dry run: 1 change(s); Serve would deploy: m (replica replacement); nothing changed" in result.output
+    assert store.current_version() == 1

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from lmfleet.config import parse_config
-from lmfleet.config.diff import APPLIED_LIVE, CLASSIFICATION, applies_live, COSTS, Change, classify, diff_fleets, needs_restart, schema_paths
+from lmfleet.config.diff import (APPLIED_LIVE, CLASSIFICATION, COSTS, ENGINE_KEYS, SERVE_APPLIED, Change, applies_live,
+                                 classify, diff_fleets, engine_fingerprint, needs_restart, schema_paths)
 from lmfleet.config.redact import MASK
 
 SECRET = "supersecret123"
@@ -148,6 +149,51 @@ def test_keys_applied_live_are_gateway_settings_that_cost_nothing() -> None:
     assert APPLIED_LIVE and all(CLASSIFICATION[k] == ("gateway", "none") for k in APPLIED_LIVE)
 
 
+def test_serve_keys_applied_are_a_kept_models_in_place_and_replacement_keys() -> None:
+    costs = {CLASSIFICATION[k][1] for k in SERVE_APPLIED}
+    assert costs == {"in place", "replica replacement"}
+    assert all(k.startswith("models[].") for k in SERVE_APPLIED) and "models[]" not in SERVE_APPLIED
+    assert set(ENGINE_KEYS) == {k for k, (_, c) in CLASSIFICATION.items() if c == "replica replacement"}
+
+
+# (edit path, new value, whether the engines' fingerprint changes): it moves exactly with "replica replacement"
+FINGERPRINT_CASES = [
+    ("deployment.replicas", 3, False),
+    ("deployment.autoscaling", {"min_replicas": 1, "max_replicas": 4}, False),
+    ("deployment.max_ongoing_requests", 16, False),
+    ("deployment.request_router", "prefix_aware", False),
+    ("deployment.request_timeout_s", 30.0, False),
+    ("overflow.threshold_ms", 900.0, False),
+    ("cost.gpu_hour_usd", 2.0, False),
+    ("engine.max_num_seqs", 8, True),
+    ("engine.max_model_len", 512, True),
+    ("engine.env", {"X": "1"}, True),
+    ("engine.enforce_eager", True, True),
+    ("source", "builtin:smollm2", True),
+    ("tokenizer", "builtin:smollm2", True),
+    ("deployment.stream_batching_interval_ms", 5.0, True),
+    ("deployment.placement_strategy", "SPREAD", True),
+]
+
+
+@pytest.mark.parametrize(("edit", "value", "moves"), FINGERPRINT_CASES)
+def test_engine_fingerprint_moves_only_with_what_the_engines_are_built_from(edit: str, value: Any,
+                                                                           moves: bool) -> None:
+    model = parse_config(BASE).models[0]
+    other = parse_config(edited(f"models.0.{edit}", value)).models[0]
+    assert (engine_fingerprint(other) != engine_fingerprint(model)) is moves
+    if not moves:  # the cost the diff shows agrees: nothing that replaces a replica
+        assert all(c.cost != "replica replacement" for c in diff_fleets(parse_config(BASE),
+                                                                        parse_config(edited(f"models.0.{edit}", value))))
+
+
+def test_engine_fingerprint_is_stable_salted_and_reads_a_split_only_as_set() -> None:
+    model = parse_config(BASE).models[0]
+    assert engine_fingerprint(model) == engine_fingerprint(model.model_copy(deep=True))
+    assert len(engine_fingerprint(model)) == 16
+    assert engine_fingerprint(model, salt="lmfleet 2") != engine_fingerprint(model, salt="lmfleet 1")
+
+
 @pytest.mark.parametrize(("running", "edit", "value", "live"), [
     ({}, "providers.0.price.input_per_1m", 3.0, True),
     ({}, "budget.on_exhausted", "reject", True),
@@ -155,7 +201,18 @@ def test_keys_applied_live_are_gateway_settings_that_cost_nothing() -> None:
     ({"budget": {"daily_usd": 50.0}}, "budget.hourly_usd", 5.0, True),
     ({"tenants": [{"name": "acme", "api_keys_env": "ACME_KEYS", "limits": {"daily_usd": 1.0}}]},
      "budget.daily_usd", 5.0, True),
-    ({}, "models.0.deployment.replicas", 2, False),
+    ({}, "models.0.deployment.replicas", 2, True),  # the serve process redeploys in place
+    ({}, "models.0.engine.max_num_seqs", 8, True),  # ... replacing the replicas
+    ({}, "models.0.deployment.autoscaling", {"min_replicas": 1, "max_replicas": 2}, True),
+    ({}, "models.2", {"name": "o", "source": "builtin:tiny-random"}, True),  # deployed by the serve process
+    ({}, "models.1", DELETE, True),  # deleted once its requests in flight ended
+    ({}, "tenants.0.limits.requests_per_minute", 120, True),  # as PUT /admin/tenants/NAME does
+    ({}, "tenants.0.models", ["m"], True),
+    ({}, "tenants.0.limits.daily_usd", 5.0, False),  # no spend store to enforce a first cap with
+    ({"budget": {"daily_usd": 50.0}}, "tenants.0.limits.daily_usd", 5.0, True),
+    ({}, "tenants.1", {"name": "beta", "api_keys_env": "BETA_KEYS"}, False),  # a tenant added: its keys, its queue
+    ({}, "tenants.0.api_keys_env", "OTHER_KEYS", False),
+    ({}, "priority_classes", [{"name": "interactive", "order": 0}], False),
     ({}, "gateway.port", 9000, False),
     ({}, "providers.0.api_key_env", "OTHER_KEY", False),  # a running process's environment is fixed
     ({}, "providers.1", NEW_PROVIDER, True),

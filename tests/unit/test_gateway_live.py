@@ -116,8 +116,8 @@ async def test_changes_a_process_cannot_take_live_are_reported_and_left(tmp_path
     gw = app.state.gateway
     live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
     before = gw.providers["p"]
-    taken = live.take(changed(live.fleet, gateway__port=9000, models__deployment__replicas=3))
-    assert taken.applied == [] and [c.path for c in taken.ignored] == ["gateway.port", "models[m].deployment.replicas"]
+    taken = live.take(changed(live.fleet, gateway__port=9000, models__cost__gpu_hour_usd=3.0))
+    assert taken.applied == [] and [c.path for c in taken.ignored] == ["gateway.port", "models[m].cost.gpu_hour_usd"]
     assert gw.providers["p"] is before
     assert live.fleet.gateway.port == 9000  # the next version is compared with this one
 
@@ -151,6 +151,39 @@ async def test_while_replicas_are_replaced_the_capacity_counts_only_the_running_
     gw.health.refresh_from(serve_status(running=2, state="HEALTHY"))
     assert (m.app.capacity, m.local.tracker.capacity) == (8, 8)
     assert during > gw.router.estimate(m)  # the same load, counted against half the capacity: a longer wait
+
+
+# (new deployment/engine keys, Serve's replicas running after the version, state, the capacity counted)
+CAPACITY_CASES = [
+    ({"replicas": 4}, {}, 2, "UPSCALING", 8),  # scaling up: half of the new four run, what ran before
+    ({"replicas": 4}, {}, 4, "HEALTHY", 16),
+    ({"replicas": 1}, {}, 1, "HEALTHY", 4),  # scaled down
+    ({"replicas": 2, "max_ongoing_requests": 2}, {}, 2, "HEALTHY", 4),
+    ({"replicas": 2}, {"max_num_seqs": 3}, 2, "HEALTHY", 6),  # the new engines run 3 each
+    ({"replicas": 2}, {"max_num_seqs": 3}, 1, "UPDATING", 3),  # one of two replaced: half of the new capacity
+]
+
+
+@pytest.mark.parametrize(("deployment", "engine", "running", "state", "capacity"), CAPACITY_CASES)
+async def test_a_new_versions_replicas_and_engine_options_set_the_capacity_counted(
+        tmp_path, deployment: dict, engine: dict, running: int, state: str, capacity: int) -> None:
+    model = {"name": "m", "source": "builtin:tiny-random", "overflow": {"threshold_ms": 1000},
+             "deployment": {"replicas": 2, "max_ongoing_requests": 4, "request_timeout_s": 10}}
+    app = make_gateway(tmp_path, local_never, {"p": local_never}, extra={"models": [model]})
+    gw = app.state.gateway
+    gw.health.app_names = {"m": "m"}
+    gw.health.refresh_from(serve_status(running=2, state="HEALTHY"))
+    assert gw.models["m"].app.capacity == 8
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
+    new = live.fleet.model_dump(mode="json")
+    new["models"][0]["deployment"].update(deployment)
+    new["models"][0]["engine"].update(engine)
+    taken = live.take(parse_config(new))
+    assert taken.ignored == [] and taken.applied
+    gw.health.refresh_from(serve_status(running=running, state=state))
+    m = gw.models["m"]
+    assert (m.app.capacity, m.local.tracker.capacity) == (capacity, capacity)
+    assert m.app.cfg.deployment == parse_config(new).models[0].deployment
 
 
 async def test_a_budget_cap_changes_live_where_the_gateway_holds_a_spend_store(tmp_path) -> None:
@@ -191,3 +224,100 @@ async def test_a_provider_added_and_one_removed(tmp_path) -> None:
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/q"
     assert old_p.in_flight == 0
+
+
+# ------------------------------------------------------------------------------------------------ tenants
+async def test_a_kept_tenants_new_settings_apply_unless_an_operator_set_them(tmp_path) -> None:
+    (tmp_path / "a.keys").write_text("sk-tenant-a-1\n")
+    (tmp_path / "b.keys").write_text("sk-tenant-b-1\n")
+    tenants = [{"name": n, "api_keys_file": str(tmp_path / f"{n}.keys"), "limits": {"max_concurrency": 4}}
+               for n in ("a", "b")]
+    app = make_gateway(tmp_path, local_never, {"p": local_never}, extra={"tenants": tenants})
+    gw = app.state.gateway
+    c = await started_client(app)  # the lifespan builds the tenant admin
+    admin = app.state.tenant_admin
+    r = await c.put("/admin/tenants/b", json={"limits": {"max_concurrency": 1}}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    running = parse_config({**running_fleet(app).model_dump(mode="json"), "tenants": tenants})
+    live = LiveFleet(running, gw.router, gw.providers, gw.clients, tenant_admin=admin)
+    new = live.fleet.model_dump(mode="json")
+    for t in new["tenants"]:
+        t["limits"]["max_concurrency"] = 2
+        t["limits"]["requests_per_minute"] = 60
+    taken = live.take(parse_config(new))
+    assert taken.ignored == [] and len(taken.applied) == 4
+    a, b = gw.tenants.tenants["a"], gw.tenants.tenants["b"]
+    assert (a.limits.max_concurrency, a.limits.requests_per_minute) == (2, 60)
+    assert gw.tenants.resolve("sk-tenant-a-1") is a  # its keys resolve to the new settings
+    assert b.limits.max_concurrency == 1  # the operator's run-time setting holds b ...
+    r = await c.delete("/admin/tenants/b", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    assert gw.tenants.tenants["b"].limits.max_concurrency == 2  # ... until reverted: to the new version's
+
+
+# ------------------------------------------------------------------------------------------------ models
+async def test_a_model_added_is_served_and_a_model_removed_takes_no_new_request(tmp_path) -> None:
+    from lmfleet.engine.app import resolve_model
+    from lmfleet.gateway.routing.live import NewModels
+
+    app = make_gateway(tmp_path, lambda req: httpx.Response(200, json=chat_json("m")),
+                       {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))})
+    gw = app.state.gateway
+    c = await started_client(app)
+    prepared: list[str] = []
+
+    def prepare(f):  # what gateway_model_apps does, without weights
+        prepared.extend(m.name for m in f.models)
+        return [(resolve_model(m, str(tmp_path / "no-weights")), None) for m in f.models]
+
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients, health=gw.health,
+                     new_models=NewModels(prepare, gw.new_model.make))
+    data = live.fleet.model_dump(mode="json")
+    data["models"].append({**data["models"][0], "name": "n"})
+    data["providers"][0]["model_map"]["n"] = "p-n"
+    taken = await live.take_version(parse_config(data))
+    assert {ch.path for ch in taken.applied} == {"models[n]", "providers[p].model_map"} and prepared == ["n"]
+    assert gw.models["n"].providers == [gw.providers["p"]] and gw.health.app_names["n"] == "lmfleet-n"
+    r = await c.post("/v1/chat/completions", json={**CHAT, "model": "n"})
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/n"
+
+    data["models"] = [m for m in data["models"] if m["name"] != "m"]
+    data["providers"][0]["model_map"] = {"n": "p-n"}
+    taken = await live.take_version(parse_config(data))
+    assert {(ch.path, ch.cost) for ch in taken.applied} == {("models[m]", "model removed"),
+                                                             ("providers[p].model_map", "none")}
+    assert "m" not in gw.models and "m" not in gw.health.models
+    assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 404
+    assert (await c.get("/ready")).status_code == 200  # the removed model is not waited for
+    gw.health.mark_failed("m", "a request it admitted earlier failed")
+    assert "m" not in gw.health.models
+
+
+async def test_a_model_added_without_a_way_to_serve_it_here_waits_for_a_restart(tmp_path) -> None:
+    app = make_gateway(tmp_path, local_never, {"p": local_never})
+    gw = app.state.gateway
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)  # no NewModels
+    data = live.fleet.model_dump(mode="json")
+    data["models"].append({**data["models"][0], "name": "n"})
+    taken = await live.take_version(parse_config(data))
+    assert taken.applied == [] and [ch.path for ch in taken.ignored] == ["models[n]"] and "n" not in gw.models
+
+
+
+async def test_a_model_that_cannot_be_prepared_here_leaves_the_other_changes_applied(tmp_path) -> None:
+    from lmfleet.gateway.routing.live import NewModels
+
+    app = make_gateway(tmp_path, local_never, {"p": local_never})
+    gw = app.state.gateway
+
+    def prepare(f):
+        raise OSError("no weights here")
+
+    live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients, health=gw.health,
+                     new_models=NewModels(prepare, gw.new_model.make))
+    data = live.fleet.model_dump(mode="json")
+    data["models"].append({**data["models"][0], "name": "n"})
+    data["models"][0]["overflow"]["threshold_ms"] = 123.0
+    taken = await live.take_version(parse_config(data))
+    assert [ch.path for ch in taken.ignored] == ["models[n]"] and "n" not in gw.models
+    assert gw.models["m"].threshold_ms == 123.0

@@ -100,3 +100,29 @@ def test_prefix_cache_affinity_router_members():
 def test_internal_kv(name, params):
     module = "ray.experimental.internal_kv"
     _params(f"{module}.{name}", _load(module, name), params)
+
+
+def test_deployment_version_members():
+    """stamp_versions: an application holds its deployment and ingress router where lmfleet reads them, and
+    Deployment.options takes a version (internally) and the rolling update's batch size."""
+    from ray import serve
+
+    @serve.deployment
+    class Child:
+        pass
+
+    @serve.deployment
+    class Parent:
+        def __init__(self, children):
+            self.children = children
+
+    app = Parent.bind([Child.bind()])
+    for attr in ("_bound_deployment", "_ingress_request_router"):
+        if not hasattr(app, attr):
+            _fail(f"ray.serve.Application.{attr}", "no such attribute")
+    ray_private.stamp_versions(app, "v1", rolling_update_percentage=0.001)
+    child = app._bound_deployment.init_args[0][0]
+    for d in (app._bound_deployment, child._bound_deployment):
+        if d.version != "v1" or d._deployment_config.rolling_update_percentage != 0.001:
+            _fail("ray.serve.Deployment.options", f"version={d.version!r}, rolling_update_percentage="
+                  f"{d._deployment_config.rolling_update_percentage} after options(version=..., _internal=True)")

@@ -48,3 +48,17 @@ def test_serve_has_a_verbose_switch():
 
     out = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200).output
     assert "--verbose" in out
+
+
+def test_a_redeploy_keeps_the_list_of_apps_to_tear_down_current(monkeypatch):
+    """What lmfleet serve deletes at shutdown on a joined cluster follows the models apply deployed."""
+    from types import SimpleNamespace as NS
+
+    from lmfleet.serve import runner
+
+    sent = []
+    monkeypatch.setattr(runner, "deploy", sent.append)
+    apps = [NS(name="a", v=1), NS(name="b", v=1)]
+    runner.deploy_into(apps, [NS(name="b", v=2), NS(name="c", v=1)])
+    assert [(a.name, a.v) for a in apps] == [("a", 1), ("b", 2), ("c", 1)]
+    assert [[a.name for a in more] for more in sent] == [["b", "c"]]

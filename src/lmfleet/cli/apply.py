@@ -1,9 +1,11 @@
 """``lmfleet apply``: compare a fleet file with the fleet running in the cluster, show what changes where and what
 each change costs (:mod:`lmfleet.config.diff`), and store it as the cluster's next fleet version.
 
-Exit codes: 0 done (or ``--dry-run``, or nothing to change); 1 the cluster or its stored fleet cannot be reached,
-or the file holds changes this version of lmfleet cannot apply to a running fleet (nothing is changed); 2 the
-file does not load (the loader's message, as ``config validate`` prints it).
+Gateway settings are taken by every gateway process; a model's Serve and engine keys are redeployed by the
+``lmfleet serve`` process (:mod:`lmfleet.serve.rollout`). Exit codes: 0 done (or ``--dry-run``, or nothing to
+change); 1 the cluster or its stored fleet cannot be reached, or the file holds changes this version of lmfleet
+cannot apply to a running fleet (nothing is changed); 2 the file does not load (the loader's message, as
+``config validate`` prints it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from lmfleet.cli.common import fail, load_or_exit
 from lmfleet.cluster.fleet_store import FleetStore, VersionConflict
 from lmfleet.config.diff import Change, applies_live, diff_fleets
 from lmfleet.config.models import FleetConfig
+from lmfleet.serve.rollout import describe, rollout_plan
 
 EXIT_REFUSED = 1
 
@@ -87,9 +90,11 @@ def apply(
     blocked = refused(changes, running.fleet)
     console.print(changes_table(changes, f"{config} against the running fleet (version {running.version}, "
                                          f"{running.source})", blocked))
+    plan = rollout_plan(changes)
     if dry_run:
-        note = f"; {len(blocked)} cannot be applied live yet" if blocked else ""
-        typer.echo(f"dry run: {len(changes)} change(s){note}; nothing changed")
+        note = f"; {len(blocked)} cannot be applied live" if blocked else ""
+        serve = f"; Serve would deploy: {describe(plan)}" if plan and not blocked else ""
+        typer.echo(f"dry run: {len(changes)} change(s){note}{serve}; nothing changed")
         raise typer.Exit(0)
     if blocked:
         keys = ", ".join(f"{c.path} ({c.cost})" for c in blocked)
@@ -101,3 +106,8 @@ def apply(
         fail(str(e), EXIT_REFUSED)
     typer.echo(f"applied: the running fleet is now version {stored.version} ({len(changes)} change(s)); every "
                "gateway process takes it within 2 s (/admin/state: fleet_version)")
+    if plan:
+        typer.echo(f"Serve: the `lmfleet serve` process deploys within 2 s: {describe(plan)}. In place keeps the "
+                   "replicas; replica replacement replaces them one at a time while the gateways count only the "
+                   "running ones (/admin/state: running_replicas); a new model is served once its engines run; a "
+                   "removed model's application is deleted once its requests in flight end")

@@ -26,6 +26,8 @@ the schema: a new field fails until it is classified). The functions here are pu
 
 from __future__ import annotations
 
+import hashlib
+import json
 import types
 import typing
 from collections.abc import Iterator
@@ -37,8 +39,9 @@ from pydantic import BaseModel
 from lmfleet.config.fleet import FleetConfig
 from lmfleet.config.redact import redact
 
-__all__ = ["APPLIED_LIVE", "CLASSIFICATION", "COSTS", "Change", "Cost", "Where", "applies_live", "classify",
-           "diff_fleets", "has_spend_store", "needs_restart", "schema_paths"]
+__all__ = ["APPLIED_LIVE", "CLASSIFICATION", "COSTS", "ENGINE_KEYS", "SERVE_APPLIED", "TENANT_APPLIED", "Change", "Cost", "Where",
+           "applies_live", "classify", "diff_fleets", "engine_fingerprint", "has_spend_store", "needs_restart",
+           "schema_paths"]
 
 Cost = Literal["none", "in place", "replica replacement", "new model", "model removed", "restart needed"]
 Where = Literal["gateway", "serve", "engine", "cluster"]
@@ -116,12 +119,27 @@ APPLIED_LIVE: frozenset[str] = frozenset({
     "models[].overflow.hedge_after_ms", "models[].overflow.enabled", "models[].overflow.hysteresis",
     "models[].overflow.cold_service_s", "models[].overflow.cold_ttft_s", "budget.on_exhausted",
 })
-"""The keys ``lmfleet apply`` carries out on a running fleet today (a subset of the ``none`` rows: what every
-gateway swaps in when the stored version moves, :mod:`lmfleet.gateway.routing.live`). A file that changes any
-other key is refused whole: nothing changes. :func:`applies_live` adds the budget's caps when the running fleet
-has a spend store."""
+"""The gateway settings ``lmfleet apply`` carries out on a running fleet (a subset of the ``none`` rows: what every
+gateway swaps in when the stored version moves, :mod:`lmfleet.gateway.routing.live`). :func:`applies_live` adds
+the budget's caps when the running fleet has a spend store, and :data:`SERVE_APPLIED`."""
 
-SPEND_CAP_KEYS = frozenset({"budget.hourly_usd", "budget.daily_usd"})
+SERVE_APPLIED: frozenset[str] = frozenset(
+    path for path, (_, cost) in CLASSIFICATION.items()
+    if path.startswith("models[].") and path != "models[].name" and cost in ("in place", "replica replacement"))
+"""A kept model's Serve and engine keys: the ``lmfleet serve`` process redeploys the model's application
+(:mod:`lmfleet.serve.rollout`): ``in place`` keys keep its replicas (the deployments' version stays,
+:func:`engine_fingerprint`), ``replica replacement`` keys replace them one at a time. A file that changes any key
+outside these sets is refused whole: nothing changes."""
+
+TENANT_APPLIED: frozenset[str] = frozenset({
+    "tenants[].limits.requests_per_minute", "tenants[].limits.tokens_per_minute", "tenants[].limits.max_concurrency",
+    "tenants[].models", "tenants[].priority", "tenants[].max_priority", "tenants[].batch_may_use_providers"})
+"""A kept tenant's settings (what ``PUT /admin/tenants/NAME`` may change too): every gateway process applies them
+as that API does (:class:`lmfleet.tenants.admin.TenantAdmin`), unless an operator's run-time setting holds the
+tenant. A tenant added or removed, its keys, and the priority classes are not applied live."""
+
+SPEND_CAP_KEYS = frozenset({"budget.hourly_usd", "budget.daily_usd", "tenants[].limits.hourly_usd",
+                            "tenants[].limits.daily_usd"})
 
 
 def has_spend_store(fleet: FleetConfig) -> bool:
@@ -132,9 +150,38 @@ def has_spend_store(fleet: FleetConfig) -> bool:
 
 
 def applies_live(change: "Change", running: FleetConfig) -> bool:
-    """Whether ``lmfleet apply`` carries out ``change`` on the ``running`` fleet: a key of :data:`APPLIED_LIVE`, or
-    a budget cap where the running fleet's gateways hold a spend store (:func:`has_spend_store`)."""
-    return change.schema_path in APPLIED_LIVE or (change.schema_path in SPEND_CAP_KEYS and has_spend_store(running))
+    """Whether ``lmfleet apply`` carries out ``change`` on the ``running`` fleet: a key of :data:`APPLIED_LIVE`,
+    :data:`SERVE_APPLIED` or :data:`TENANT_APPLIED`, a model added or removed, or a USD cap (the budget's, a tenant's) where the running
+    fleet's gateways hold a spend store (:func:`has_spend_store`)."""
+    return (change.schema_path in APPLIED_LIVE or change.schema_path in SERVE_APPLIED
+            or change.schema_path in TENANT_APPLIED or change.schema_path == "models[]"
+            or (change.schema_path in SPEND_CAP_KEYS and has_spend_store(running)))
+
+
+def _section(path: str) -> bool:
+    return any(other.startswith(path + ".") for other in CLASSIFICATION)
+
+
+ENGINE_KEYS: tuple[str, ...] = tuple(sorted(
+    path for path, (_, cost) in CLASSIFICATION.items() if path.startswith("models[].") and cost == "replica replacement"))
+"""The model keys whose change replaces the model's engines: what :func:`engine_fingerprint` reads."""
+
+
+def engine_fingerprint(model: BaseModel, salt: str = "") -> str:
+    """A short stable hash of what a model's engines are built from (:data:`ENGINE_KEYS`: source, tokenizer, every
+    engine option, the placement and the prefill/decode split; of a section that also holds ``in place`` keys, such
+    as ``deployment.disaggregation``, only whether it is set). Equal for two configurations of the model that differ
+    only in ``in place`` or gateway keys; Ray Serve's deployment ``version`` (``salt``: what else the engines are
+    built from, e.g. lmfleet's own version)."""
+    data = model.model_dump(mode="json")
+    picked: dict[str, Any] = {}
+    for path in ENGINE_KEYS:
+        value: Any = data
+        for part in path.removeprefix("models[].").split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        picked[path] = (value is not None) if _section(path) else value
+    blob = json.dumps([salt, picked], sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

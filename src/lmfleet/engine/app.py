@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal
 
 from lmfleet import ray_private
 from lmfleet.cluster.placement import serve_placement
+from lmfleet.config.diff import engine_fingerprint
 from lmfleet.config.models import DeploymentConfig, FleetConfig, ModelConfig
 from lmfleet.engine.routing import check_router_available, request_router_config
 from lmfleet.models import resolve_source
@@ -269,8 +270,28 @@ def gateway_model_apps(fleet: FleetConfig, progress: Callable[[str], None] = pri
     return apps
 
 
+ROLLING_UPDATE_FRACTION = 0.001
+"""Serve's ``rolling_update_percentage`` for lmfleet's deployments: replicas are replaced max(1, int(fraction x
+replicas)) at a time, so one at a time up to 1999 replicas. Serve's surge stays 0: a replacement never needs a
+spare accelerator (the old replica stops first)."""
+
+
+def deployment_version(model: ModelConfig) -> str:
+    """The Serve deployment ``version`` of a model's deployments: changes exactly when its engines must be replaced
+    (:func:`lmfleet.config.diff.engine_fingerprint`, salted with lmfleet's version)."""
+    from lmfleet import __version__
+
+    return engine_fingerprint(model, salt=f"lmfleet {__version__}")
+
+
 def bind_app(app: ModelApp):
-    """The model's Serve application graph, from Ray Serve LLM's builder for its pattern (no deploy)."""
+    """The model's Serve application graph, from Ray Serve LLM's builder for its pattern (no deploy), every
+    deployment stamped with :func:`deployment_version` (a redeploy of the same engines keeps its replicas)."""
+    return ray_private.stamp_versions(_builder_graph(app), deployment_version(app.cfg),
+                                      rolling_update_percentage=ROLLING_UPDATE_FRACTION)
+
+
+def _builder_graph(app: ModelApp):
     from ray.serve.llm import build_dp_openai_app, build_openai_app, build_pd_openai_app
 
     pattern = serving_pattern(app.cfg)

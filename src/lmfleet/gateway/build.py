@@ -20,12 +20,12 @@ from fastapi import FastAPI
 
 from lmfleet.config.models import FleetConfig, GatewayConfig
 from lmfleet.config.tenants import PriorityClass, TenantConfig, default_priority_classes
-from lmfleet.engine.app import ModelApp
+from lmfleet.engine.app import ModelApp, gateway_model_apps
 from lmfleet.gateway.front.access import GatewayConfigError, allowed_hosts, check_exposure, load_keys_from
 from lmfleet.gateway.app import create_app
 from lmfleet.gateway.routing.backends import LocalBackend, ProviderBackend
 from lmfleet.gateway.routing.health import HealthBoard
-from lmfleet.gateway.routing.live import RunningCapacity
+from lmfleet.gateway.routing.live import NewModels, RunningCapacity
 from lmfleet.gateway.observe.metrics import GatewayMetrics
 from lmfleet.gateway.routing.pollers import EngineStatsPoller
 from lmfleet.gateway.routing.router import Router
@@ -189,7 +189,8 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
     metrics = GatewayMetrics()
     health = HealthBoard({a.name: a.app_name for a in apps}, fetch_status, fleet.gateway.health_poll_s)
     ledger, store, caps = _open_ledger(fleet, environ)
-    recorder = Recorder(metrics, ledger, {a.name for a in apps}, store)
+    names = {a.name for a in apps}  # the recorder's metric labels: a model added live joins them
+    recorder = Recorder(metrics, ledger, names, store)
     budget = BudgetGuard(store, caps, recorder.submit, metrics=metrics) if store is not None else None
 
     providers: dict[str, ProviderBackend] = {}
@@ -198,18 +199,21 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
 
     # one keep-alive pool to Serve's HTTP front for every model, sized to the fleet (excess waits for a connection)
     local_client = HttpPool(max_connections=max(256, 4 * sum(a.capacity for a in apps)), connect_timeout_s=5.0)
-    models: dict[str, ServedModel] = {}
-    for a in apps:
+    def served(a: ModelApp, tokenizer: Any | None, backends: list[ProviderBackend]) -> ServedModel:
         c = a.cfg
+        names.add(a.name)
         tracker = LoadTracker(a.capacity, window_s=c.overflow.signal_window_s)
         meter = LocalCostMeter(a.hourly_cost_usd, window_s=c.cost.attribution_window_s,
                                min_tokens_per_hour=c.cost.min_output_tokens_per_hour)
-        models[a.name] = ServedModel(
-            app=a, tokenizer=load_tokenizer(a),
-            local=LocalBackend(c, a.base_url(serve_url), local_client, tracker, health, meter),
-            providers=[providers[p.name] for p in providers_for(c, fleet.providers)],
-            threshold_ms=a.threshold_ms, queue=DispatchQueue(_queue_slots(a)) if fleet.tenants else None,
+        return ServedModel(
+            app=a, tokenizer=tokenizer, local=LocalBackend(c, a.base_url(serve_url), local_client, tracker, health, meter),
+            providers=backends, threshold_ms=a.threshold_ms,
+            queue=DispatchQueue(_queue_slots(a)) if fleet.tenants else None,
             timers=PolicyTimers.from_config(c.overflow), margin=MissMargin(c.overflow.miss_quantile))
+
+    models: dict[str, ServedModel] = {
+        a.name: served(a, load_tokenizer(a), [providers[p.name] for p in providers_for(a.cfg, fleet.providers)])
+        for a in apps}
 
     health.on_refresh = RunningCapacity(models, health).update  # a rollout's missing replicas count as busy
     engine_stats = None
@@ -227,6 +231,8 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
                  tenants=tenants, admin_key=admin_key or None,
                  engine_stats=engine_stats, tracer=request_tracer(fleet.observability),
                  loopwatch=LoopWatch(stall_ms=fleet.gateway.loop_stall_warn_ms, observe=metrics.loop_lag.observe))
+    gw.new_model = NewModels(lambda f: [(a, load_tokenizer(a)) for a in gateway_model_apps(f, progress=log.info)],
+                             served)
     trusted = allowed_hosts(host, fleet.gateway.allowed_hosts)
     if trusted is None and fleet.gateway.allowed_hosts is None:
         log.info("gateway: listening on %s, so every Host header is accepted; set gateway.allowed_hosts to "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 from dataclasses import dataclass, field
 
 from lmfleet.gateway.routing.backends import ProviderBackend
@@ -47,6 +48,9 @@ class Gateway:
     """The event-loop watchdog (``gateway.loop_stall_warn_ms``); None in tests that build a gateway by hand."""
     fleet_watch: FleetWatch | None = None
     """The cluster's running-fleet version as this process sees it (set where the fleet is stored); None: none."""
+    new_model: Any = None
+    """How a model added by a new fleet version is served here (:class:`~lmfleet.gateway.routing.live.NewModels`,
+    set by :func:`~lmfleet.gateway.build.build_gateway`); None: models are not added live."""
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,22 +135,27 @@ def attach_peers(app: Any, host: str, port: int, role: str, period_s: float = 0.
                          period_s=period_s)
 
 
-def attach_fleet_watch(app: Any, fleet: FleetConfig) -> None:
+def attach_fleet_watch(app: Any, fleet: FleetConfig,
+                       follow: Callable[[int, FleetConfig], Awaitable[Any]] | None = None) -> None:
     """Follow the cluster's running-fleet version (needs a connected Ray): take each new one's live settings
-    (:class:`LiveFleet`); ``/admin/state`` shows the version taken."""
+    (:class:`LiveFleet`), then hand it to ``follow`` (``lmfleet serve``'s redeploys); ``/admin/state`` shows the
+    version taken."""
     from lmfleet.cluster.fleet_store import FleetStore, RayKV
 
     gw = app.state.gateway
     store = FleetStore(RayKV())
-    live = LiveFleet(fleet, gw.router, gw.providers, gw.clients)
+    live = LiveFleet(fleet, gw.router, gw.providers, gw.clients, tenant_admin=app.state.tenant_admin,
+                     health=gw.health, new_models=gw.new_model)
 
     async def take(version: int) -> None:
         stored = await asyncio.to_thread(store.read, version)
         if stored is not None:
-            taken = live.take(stored.fleet)
+            taken = await live.take_version(stored.fleet)
             if taken.applied:
                 log.info("gateway: took version %d of the running fleet: %s", version,
                          ", ".join(c.path for c in taken.applied))
+            if follow is not None:
+                await follow(version, stored.fleet)
 
     gw.fleet_watch = FleetWatch(store.current_version, on_version=take)
 

@@ -58,6 +58,7 @@ from lmfleet.serve.gateway_proc import (
     watch_workers,
 )
 from lmfleet.serve.processes import ProcessReaper
+from lmfleet.serve.rollout import ServeFollower
 from lmfleet.serve.timing import Phases
 from lmfleet.serve.proxy import (
     ProxyError,
@@ -171,6 +172,21 @@ def deploy(apps: list[Any]) -> None:
         raise DeployError(f"Ray Serve refused the deployment of {[a.name for a in apps]}: {e}") from None
 
 
+def deploy_into(apps: list[Any], more: list[Any]) -> None:
+    """Deploy ``more`` (a new fleet version's models) and keep ``apps``, what this process tears down, current."""
+    deploy(more)
+    names = {a.name for a in more}
+    apps[:] = [a for a in apps if a.name not in names] + list(more)
+
+
+def delete_apps(app_names: list[str]) -> None:
+    """Delete Serve applications (a removed model's): each waits for its replicas' graceful stop."""
+    from ray import serve
+
+    for name in app_names:
+        serve.delete(name)
+
+
 # ---------------------------------------------------------------------------------------------
 # the gateway (assembled by lmfleet.gateway.build_gateway)
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +199,10 @@ async def _run(fleet: FleetConfig, apps: list[Any], host: str, port: int, progre
                         fetch_status=serve_status_fetcher(), fetch_engine_metrics=ray_metrics_fetcher())
     health = app.state.gateway.health
     attach_peers(app, host, port, role="serve", period_s=fleet.gateway.peers_period_s)
-    attach_fleet_watch(app, fleet)
+    follower = ServeFollower(fleet, lambda f: build_model_apps(f, progress=progress),
+                             lambda more: deploy_into(apps, more), progress, delete=delete_apps,
+                             models=app.state.gateway.models)
+    attach_fleet_watch(app, fleet, follow=follower.follow)  # `lmfleet apply`: settings here, redeploys by follower
     try:
         sock = listen_socket(host, port, reuse_port=workers > 1)
     except OSError as e:

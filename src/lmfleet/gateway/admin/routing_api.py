@@ -36,6 +36,7 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
             s = m.local.tracker.snapshot()
             out["models"][n] = {
                 "ready": gw.health.is_ready(n), "health": gw.health.models[n].message,
+                "running_replicas": gw.health.models[n].running_replicas,
                 "in_flight": s.in_flight, "capacity": m.app.capacity,
                 "queued_estimate": max(0, s.in_flight - m.app.capacity),
                 "queue_estimate_ms": round(gw.router.estimate(m, s), 1), "threshold_ms": m.threshold_ms,

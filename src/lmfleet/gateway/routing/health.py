@@ -85,7 +85,19 @@ class HealthBoard:
         if self.on_refresh is not None:
             self.on_refresh()
 
+    def watch(self, model: str, app_name: str) -> None:
+        """A model added while the gateway runs: polled from now on, not ready until Serve runs a replica."""
+        self.models[model] = ModelHealth(self._fetch is None, "starting")
+        self.app_names[model] = app_name
+
+    def forget(self, model: str) -> None:
+        """A model removed while the gateway runs: no longer polled nor counted by :meth:`all_ready`."""
+        self.app_names.pop(model, None)
+        self.models.pop(model, None)
+
     def mark_failed(self, model: str, message: str) -> None:
+        if model not in self.app_names:  # removed meanwhile (a request it admitted before failed)
+            return
         self._marks[model] = (time.monotonic(), message)
         cur = self.models.get(model)
         self.models[model] = ModelHealth(False, message, cur.running_replicas if cur else 0)
