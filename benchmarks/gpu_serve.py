@@ -152,19 +152,8 @@ def check(st: dict, a, res: dict) -> None:
         res["check_error"] = (out.stdout + out.stderr)[-2000:]
         return
     res["check"] = doc
-    found = []
-
-    def walk(x):
-        if isinstance(x, dict):
-            if "kv_tokens" in x:
-                found.append(x["kv_tokens"])
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-    walk(doc)
-    res["planner_kv_tokens"] = found[0] if found else None
+    res["planner_kv_tokens"] = next((r["data"]["kv_tokens"] for r in doc.get("results", [])
+                                     if "kv_tokens" in (r.get("data") or {})), None)
     log(f"check rc {out.returncode}; planner KV tokens {res['planner_kv_tokens']}")
 
 

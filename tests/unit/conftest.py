@@ -26,3 +26,16 @@ def pg_server():
         return shared_pg_server()
     except PgUnavailable as e:
         pytest.skip(f"PostgreSQL server cannot be started here: {e}")
+
+
+@pytest.fixture
+def driver_runtime_env(monkeypatch):
+    """The Serve LLM builders' one call into a running Ray (the driver's runtime_env), answered as a fresh
+    driver's, so that building an application needs no cluster (one did not start within 30 s on a busy 2-core
+    machine)."""
+    import types
+
+    import ray
+
+    if not ray.is_initialized():
+        monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(runtime_env={}))

@@ -17,17 +17,7 @@ from lmfleet.engine.app import bind_app, model_llm_configs, resolve_model, servi
 WEIGHTS = "/weights/deepseek-v3"  # never read: LLMConfig only records the path
 
 
-@pytest.fixture(autouse=True)
-def driver_runtime_env(monkeypatch):
-    """The builders' one call into a running Ray: the driver's runtime_env (LLMServer.get_deployment_options). Answered
-    here as an empty one, as a fresh driver has, so that no Ray cluster starts (it did not start within 30 s on a busy
-    2-core machine)."""
-    import types
-
-    import ray
-
-    if not ray.is_initialized():
-        monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(runtime_env={}))
+pytestmark = pytest.mark.usefixtures("driver_runtime_env")  # tests/unit/conftest.py
 
 
 def _model(engine: dict[str, Any], deployment: dict[str, Any] | None = None, device: str = "gpu"):

@@ -14,15 +14,7 @@ from lmfleet.engine.app import ROLLING_UPDATE_FRACTION, bind_app, deployment_ver
 WEIGHTS = "/weights/tiny"  # never read: LLMConfig only records the path
 
 
-@pytest.fixture(autouse=True)
-def driver_runtime_env(monkeypatch):
-    """The builders' one call into a running Ray (the driver's runtime_env), answered as a fresh driver's."""
-    import types
-
-    import ray
-
-    if not ray.is_initialized():
-        monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(runtime_env={}))
+pytestmark = pytest.mark.usefixtures("driver_runtime_env")  # tests/unit/conftest.py
 
 
 def _model(deployment: dict | None = None, engine: dict | None = None):

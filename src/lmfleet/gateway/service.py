@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmfleet.gateway.routing.backends import ProviderBackend
 from lmfleet.gateway.routing.fleet_watch import FleetWatch
