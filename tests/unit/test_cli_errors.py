@@ -33,3 +33,24 @@ def test_cli_errors_share_one_form(files, argv, code, needle):
     r = CliRunner().invoke(app, [a.format(tmp=files) for a in argv])
     assert r.exit_code == code, r.output
     assert "lmfleet: error: " in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_data_stdout_sends_other_prints_to_stderr(monkeypatch):
+    """A Ray driver thread printing a cluster event while ``--json`` is written cannot corrupt the document."""
+    import io
+    import sys
+    import threading
+
+    from lmfleet.cli.common import data_stdout
+
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    with data_stdout() as stdout:
+        t = threading.Thread(target=lambda: print("(raylet) The node ... has been marked dead"))
+        t.start()
+        t.join()
+        stdout.write('{"ok": true}\n')
+    assert out.getvalue() == '{"ok": true}\n'
+    assert "marked dead" in err.getvalue()
+    assert sys.stdout is out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +13,7 @@ from lmfleet.check.report import render_table, to_json
 from lmfleet.check.result import exit_code
 from lmfleet.check.runner import CheckOptions, run_checks
 from lmfleet.check.timeouts import LoadAssumptions
-from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
+from lmfleet.cli.common import EXIT_USAGE, data_stdout, fail, load_or_exit
 
 
 def check(
@@ -46,14 +45,16 @@ def check(
                         load=LoadAssumptions(tpot_ms=tpot_ms, max_tokens=max_tokens, avg_tokens=avg_tokens, burst=burst))
     err = Console(stderr=True)
     progress = (lambda msg: None) if as_json else (lambda msg: err.print(f"[dim]lmfleet check: {msg}[/]"))
-    try:
-        results, extra = run_checks(cfg, opts, progress)
-    except Exception as e:  # noqa: BLE001 - e.g. Ray unreachable: say so and exit 2, no traceback
-        fail(f"lmfleet check could not run: {type(e).__name__}: {e}", EXIT_USAGE)
-    code = exit_code(results, warn_ok=warn_ok)
-    if as_json:
-        sys.stdout.write(to_json(results, exit_code=code, extra=extra) + "\n")
-    else:
+    with data_stdout() as stdout:
+        try:
+            results, extra = run_checks(cfg, opts, progress)
+        except Exception as e:  # noqa: BLE001 - e.g. Ray unreachable: say so and exit 2, no traceback
+            fail(f"lmfleet check could not run: {type(e).__name__}: {e}", EXIT_USAGE)
+        code = exit_code(results, warn_ok=warn_ok)
+        if as_json:
+            stdout.write(to_json(results, exit_code=code, extra=extra) + "\n")
+            stdout.flush()
+    if not as_json:
         out = Console()
         render_table(results, out if out.is_terminal else Console(width=160),  # pipes/CI: wide enough to read
                      title=f"lmfleet check {config or '(embedded default fleet)'}")

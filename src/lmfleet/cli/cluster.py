@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 import yaml
 
-from lmfleet.cli.common import EXIT_USAGE, fail, load_or_exit
+from lmfleet.cli.common import EXIT_USAGE, data_stdout, fail, load_or_exit
 from lmfleet.cluster.join import (
     JoinError,
     JoinSpec,
@@ -177,24 +177,26 @@ def status(
         gw = cfg.gateway
         gateway_url = gateway_url or f"http://{'127.0.0.1' if gw.host in ('0.0.0.0', '::') else gw.host}:{gw.port}"
         admin_key = os.environ.get(gw.admin_key_env) if gw.admin_key_env else None
-    try:
-        st = collect_status(address, gateway_url, admin_key, fleet=cfg)
-    except ConnectionError as e:
-        fail(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS / cluster.address / auto'}: {e}", 1)
-    rows = _gateways()
-    version = _fleet_version()
-    if as_json:
-        out = st.to_dict()
-        if rows is not None:
-            out["gateways"] = [{**asdict(r), "workers": r.workers} for r in rows]
-        out["fleet_version"] = version
-        typer.echo(json.dumps(out, indent=2))
-    else:
-        typer.echo(render_status(st), nl=False)
-        if rows is not None:
-            typer.echo(render_gateways(rows), nl=False)
-        typer.echo(f"\nRunning fleet: {f'version {version}' if version is not None else 'none stored'} "
-                   "(lmfleet apply)")
+    with data_stdout() as stdout:
+        try:
+            st = collect_status(address, gateway_url, admin_key, fleet=cfg)
+        except ConnectionError as e:
+            fail(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS / cluster.address / auto'}: {e}", 1)
+        rows = _gateways()
+        version = _fleet_version()
+        if as_json:
+            out = st.to_dict()
+            if rows is not None:
+                out["gateways"] = [{**asdict(r), "workers": r.workers} for r in rows]
+            out["fleet_version"] = version
+            typer.echo(json.dumps(out, indent=2), file=stdout)
+        else:
+            typer.echo(render_status(st), nl=False, file=stdout)
+            if rows is not None:
+                typer.echo(render_gateways(rows), nl=False, file=stdout)
+            typer.echo(f"\nRunning fleet: {f'version {version}' if version is not None else 'none stored'} "
+                       "(lmfleet apply)", file=stdout)
+        stdout.flush()
     raise typer.Exit(0 if st.state == "healthy" else 3)
 
 

@@ -6,15 +6,18 @@ fleet file that does not load, unless a command documents another code).
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import NoReturn, Optional, TextIO
 
 import typer
 
 from lmfleet.config import ConfigError, load_config
 from lmfleet.config.models import FleetConfig
 
-__all__ = ["EXIT_USAGE", "fail", "load_or_exit"]
+__all__ = ["EXIT_USAGE", "data_stdout", "fail", "load_or_exit"]
 
 EXIT_USAGE = 2
 
@@ -31,3 +34,15 @@ def load_or_exit(path: Optional[Path]) -> FleetConfig:
         return load_config(path)
     except ConfigError as e:
         fail(str(e), EXIT_USAGE)
+
+
+@contextlib.contextmanager
+def data_stdout() -> Iterator[TextIO]:
+    """Yield the real stdout for a ``--json`` document; anything else printed meanwhile goes to stderr.
+
+    A Ray driver prints cluster events (``(raylet) The node ... has been marked dead``) on ``sys.stdout`` from a
+    background thread; inside this block they land on stderr, so the JSON on stdout stays parseable.
+    """
+    real = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        yield real
