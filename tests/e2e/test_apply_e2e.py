@@ -1,7 +1,7 @@
 """``lmfleet apply`` end to end (issue 49): its own fleet (``lmfleet serve`` with one tiny engine, a second
 ``lmfleet gateway`` process, two fake providers), under steady load through both gateways (local and provider
-traffic, streamed and not), applies in turn a price change, a new provider, a threshold and policy change,
-replicas 1 -> 2 -> 1 and an engine option change that replaces the replica.
+traffic, streamed and not, as one tenant), applies in turn a price change, a new provider, a threshold and policy
+change, a tenant limit, replicas 1 -> 2 -> 1 and an engine option change that replaces the replica.
 
 Asserts: no failed request and no truncated stream; ledger rows = answered requests; each change's settings seen by
 both gateways within 5 s; replicas changed in place (the model never stopped serving locally meanwhile); during the
@@ -36,6 +36,7 @@ from tests.e2e.conftest import START_TIMEOUT_S, VENV_BIN, _wait_http, descendant
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_order(3)]
 
 ADMIN = "apply-e2e-admin"
+TENANT_KEY = "apply-e2e-team-key"
 MODEL = "tiny"
 CLIENTS_PER_GATEWAY = 3
 """Closed-loop clients per gateway: six requests at once against a local capacity of two (some spill: the
@@ -45,10 +46,11 @@ THINK_S = 0.25
 with the engine being started."""
 EFFECT_TIMEOUT_S = {"replicas 1 -> 2": 150.0, "engine max_num_seqs 2 -> 3": 180.0}
 VISIBLE_S = 5.0
+AUTH = {"authorization": f"Bearer {TENANT_KEY}"}
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "APPLY_E2E_ADMIN": ADMIN, "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "APPLY_E2E_ADMIN": ADMIN, "APPLY_E2E_KEYS": TENANT_KEY, "PYTHONUNBUFFERED": "1"}
 
 
 @dataclass
@@ -91,7 +93,7 @@ class Load:
             t.join(120)
 
     def _client(self, g: int, i: int) -> None:
-        with httpx.Client(base_url=self.urls[g], timeout=120) as client:
+        with httpx.Client(base_url=self.urls[g], timeout=120, headers=AUTH) as client:
             n = 0
             while not self._stop.is_set():
                 rec = one(client, g, stream=(n + i) % 2 == 0, n=n)
@@ -140,6 +142,11 @@ class ApplyFleet:
         r.raise_for_status()
         return r.json()
 
+    def tenants(self, g: int) -> dict:
+        r = httpx.get(f"{self.urls[g]}/admin/tenants", headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
+        r.raise_for_status()
+        return r.json()["tenants"]
+
     def apply(self, name: str, config: dict, *flags: str) -> subprocess.CompletedProcess:
         path = self.work / f"{re.sub(r'[^a-z0-9]+', '-', name)}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -159,6 +166,8 @@ def applied_fleet(tmp_path_factory):
             "gateway": {"port": port, "serve_port": sport, "admin_key_env": "APPLY_E2E_ADMIN", "health_poll_s": 1,
                         "engine_metrics_poll_s": 1},
             "ledger": {"path": str(work / "ledger.sqlite")},
+            "tenants": [{"name": "team", "api_keys_env": "APPLY_E2E_KEYS",
+                         "limits": {"requests_per_minute": 100000}}],
             "providers": [{"name": "fake1", "base_url": f"{p1.base_url}/v1", "model_map": {MODEL: "fake-tiny"},
                            "price": {"input_per_1m": 1.0, "output_per_1m": 2.0},
                            "timeouts": {"connect_s": 2, "total_s": 60, "first_token_s": 30}}],
@@ -219,6 +228,8 @@ def _steps(base: dict, provider2_url: str) -> list[tuple[str, dict]]:
         c["models"][0]["overflow"].update(providers=["fake2", "fake1"])))
     step("threshold + policy", lambda c: c["models"][0]["overflow"].update(
         threshold_ms=500, policy="hedge", hedge_after_ms=20000))
+    step("tenant limit", lambda c: c["tenants"][0]["limits"].update(requests_per_minute=50000,
+                                                                    tokens_per_minute=10_000_000))
     step("replicas 1 -> 2", lambda c: c["models"][0]["deployment"].update(replicas=2))
     step("replicas 2 -> 1", lambda c: c["models"][0]["deployment"].update(replicas=1))
     step("engine max_num_seqs 2 -> 3", lambda c: c["models"][0]["engine"].update(max_num_seqs=3))
@@ -241,6 +252,8 @@ def _took_effect(fleet: ApplyFleet, name: str, version: int, since: float) -> tu
             done = all("fake2" in s["providers"] for s in states)
         elif name == "threshold + policy":
             done = all(m["threshold_ms"] == 500 for m in model)
+        elif name == "tenant limit":
+            done = all(fleet.tenants(g)["team"]["limits"]["requests_per_minute"] == 50000 for g in (0, 1))
         elif name == "replicas 1 -> 2":
             done = all(m["running_replicas"] == 2 and m["capacity"] == 4 for m in model)
         elif name == "replicas 2 -> 1":
@@ -272,7 +285,7 @@ def test_apply_under_load_loses_nothing(applied_fleet, capsys):
     since = time.time()
     warm = []
     for g in (0, 1):  # warm-up: the engine's first request, both gateways' connections
-        with httpx.Client(base_url=fleet.urls[g], timeout=120) as c:
+        with httpx.Client(base_url=fleet.urls[g], timeout=120, headers=AUTH) as c:
             warm.append(one(c, g, stream=False, n=0))
     assert not any(d.failed for d in warm), warm
     version = fleet.state(0)["fleet_version"]
@@ -351,6 +364,7 @@ def test_apply_under_load_loses_nothing(applied_fleet, capsys):
         print(f"ledger: {len(rows)} rows for {answered} answered requests (+{len(all_rows) - len(rows)} cancelled "
               "hedge attempts)")
     assert len(rows) == answered
+    assert {r["tenant"] for r in rows} == {"team"}, "every request was the tenant's (its key)"
     # each request priced with the prices in force when it was admitted: fake1 after the price change
     t_price = windows["price"][1] + 2  # a request admitted before the change is charged the old price
     for r in rows:
