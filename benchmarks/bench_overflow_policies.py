@@ -38,9 +38,16 @@ gateway's TTFT of the local answer), read through ``/admin/usage?estimate=1`` ov
 figures ``lmfleet usage --estimate`` prints (:mod:`lmfleet.overflow.estimate_error`) -- and over all rounds of the
 policy, from the client's side (the ``x-lmfleet-queue-estimate-ms`` header against the client's TTFT).
 
-The oracle (:mod:`lmfleet.overflow.oracle`): the local service model fitted on the ``local only`` runs (a
-request counts as queued when ``max_num_seqs`` earlier requests were still streaming as it was sent), then
+The oracle (:mod:`lmfleet.overflow.oracle`): the local service model -- its prefill line fitted on the local
+answers of every policy's rounds that did not queue (``max_num_seqs`` earlier local answers still streaming, or
+one still before its first token, as it was sent), its decode rate on the ``local only`` runs -- then
 the cheapest spill set that meets the SLO on the same trace: its spend is the bound a policy's is compared to.
+The model is a queue of ``max_num_seqs`` slots with no interference between requests: it can be wrong both ways,
+so the ``oracle plan`` arm checks it on the engine. It replays the trace with the spill set of the model fitted on
+round 1 sent straight to the provider and the rest through the gateway, local only (last in round 1,
+first in round 2; with ``--url``, only when ``--provider-url`` is given, its key from ``BENCH_PROVIDER_KEY``).
+Its attainment says whether the oracle's spend is a bound a policy could reach: below the SLO, the model was
+optimistic, and the oracle's spend is too low.
 
 ``--litellm``: the real LiteLLM proxy (``make litellm`` installs it into ``.venv-litellm``;
 :mod:`lmfleet.testing.litellm_proxy`) routed to the engine's own Serve endpoint (``/smollm2/v1`` on ``serve_port``, as
@@ -98,6 +105,8 @@ PKEY = "sk-bench-provider"
 MODEL = "smollm2"
 LOCAL_ONLY = "local only"
 POLICIES = ("predictive", "hedge", "ttft_timeout", "on_error", LOCAL_ONLY)
+ORACLE_PLAN = "oracle plan"
+"""The arm that replays the oracle's spill set: those requests straight to the provider, the rest local only."""
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"
 CONTEXT_MARGIN = 64
 """Tokens of the context a replayed request leaves free: the chat template's, and words that are two tokens."""
@@ -199,7 +208,8 @@ def main() -> None:
     ap.add_argument("--serve-url", default=None,
                     help="with --url --litellm: the model's base URL behind Serve (http://HOST:SERVE_PORT/smollm2/v1)")
     ap.add_argument("--provider-url", default=None,
-                    help="with --url --litellm: the provider's base URL (http://HOST:PORT/v1) and model smollm2-remote")
+                    help="with --url: the provider's base URL (http://HOST:PORT/v1) and model smollm2-remote, for "
+                    "--litellm and the oracle plan arm")
     args = ap.parse_args()
     if args.smoke:
         args.duration, args.rounds = 8, 1
@@ -226,7 +236,9 @@ def main() -> None:
         try:
             proxy, arms = start_litellm(args, args.serve_url, args.provider_url, dict(os.environ)) if args.litellm \
                 else (None, {})
-            run(args, args.url, arms)
+            run(args, args.url, arms, Endpoint(args.provider_url.removesuffix("/v1"), "smollm2-remote",
+                                               os.environ.get("BENCH_PROVIDER_KEY", ""),
+                                               served_by="provider/oracle-plan") if args.provider_url else None)
         finally:  # the fleet as it was (the policy: predictive, the default), the proxy stopped
             if proxy is not None:
                 proxy.stop()
@@ -275,7 +287,8 @@ models:
         else:
             proxy, arms = start_litellm(args, f"http://127.0.0.1:{sport}/{MODEL}/v1", f"http://127.0.0.1:{pport}/v1",
                                         env) if args.litellm else (None, {})
-            run(args, url, arms)
+            run(args, url, arms, Endpoint(f"http://127.0.0.1:{pport}", "smollm2-remote", PKEY,
+                                          served_by="provider/oracle-plan"))
     except KeyboardInterrupt as e:
         print(f"interrupted ({e}): stopping the fleet", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
@@ -342,8 +355,23 @@ def workload(args: argparse.Namespace, capacity_rps: float | None) -> tuple[list
 TRACES: dict[Path, list] = {}  # each trace file read once
 
 
-def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None = None) -> None:
-    """Calibrate, replay the trace per policy (and LiteLLM arm) and round, and report (module docstring)."""
+def local_model(rounds_of: dict[str, list[list[Outcome]]], policies: list[str], slots: int) -> LocalServiceModel:
+    """The oracle's local model (:mod:`lmfleet.overflow.oracle`): the prefill line on the local answers of every
+    policy's rounds so far, the decode rate on the ``local only`` rounds."""
+    every = [res for name in policies for res in rounds_of[name]]
+    return LocalServiceModel.fit(service_samples(every, slots), slots,
+                                 decode_samples=service_samples(rounds_of[LOCAL_ONLY], slots))
+
+
+def spill_plan(trace: list[TraceRequest], spilled: tuple[int, ...], provider: Endpoint) -> dict[int, Endpoint]:
+    """The oracle's spill set (positions in ``trace``) as :func:`replay`'s ``to``: request index -> provider."""
+    return {trace[i].index: provider for i in spilled}
+
+
+def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None = None,
+        provider: Endpoint | None = None) -> None:
+    """Calibrate, replay the trace per policy (and LiteLLM arm, and with ``provider`` the oracle's plan) and round,
+    and report (module docstring)."""
     out: Path = args.out
     slo_s = args.threshold_ms / 1000
     price = ProviderPrice(input_per_1m=args.price_in, output_per_1m=args.price_out)
@@ -366,22 +394,38 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
         t = time.monotonic()
         asyncio.run(replay(gateway, trace, args.seed, ignore_eos=True, salt=0))
         print(f"warm-up replay of the trace (local only, not counted): {time.monotonic() - t:.0f} s", flush=True)
-    arms = [*args.policies, *litellm]
+    # the oracle's plan needs a local only round first: last in round 1, first in the reversed round 2
+    plan_arm = [ORACLE_PLAN] if provider is not None and LOCAL_ONLY in args.policies else []
+    arms = [*args.policies, *litellm, *plan_arm]
+    plan: dict[int, Endpoint] | None = None
+    plan_usd = None
     runs: dict[str, list[Outcome]] = {p: [] for p in arms}
+    rounds_of: dict[str, list[list[Outcome]]] = {p: [] for p in arms}  # per round: sent_s restarts at 0
     spend: dict[str, float] = {p: 0.0 for p in arms}
     estimates: dict[str, list[dict]] = {p: [] for p in args.policies}
     salt = 0  # one per replay: fresh prompt text every time (prompt_text)
     for rnd in range(args.rounds):
-        order = arms if rnd % 2 == 0 else list(reversed(arms))
+        order = list(arms) if rnd % 2 == 0 else list(reversed(arms))
         for name in order:
-            # LiteLLM reaches the engine on Serve's port, past the gateway: the gateway keeps it to itself
-            set_policy(url, LOCAL_ONLY if name in litellm else name, args.threshold_ms, args.hedge_after_ms,
-                       args.ttft_timeout_ms)
+            if name == ORACLE_PLAN and plan is None:
+                try:
+                    fitted = local_model(rounds_of, args.policies, args.max_num_seqs)
+                except ValueError as e:
+                    print(f"oracle plan: not replayed ({e})", flush=True)
+                    arms.remove(ORACLE_PLAN)
+                    continue
+                spilled = oracle_spill(trace, fitted, args.threshold_ms, price)
+                plan, plan_usd = spill_plan(trace, spilled.spilled, provider), spilled.spend_nusd / 1e9
+            # LiteLLM reaches the engine on Serve's port, past the gateway: the gateway keeps it to itself; the
+            # oracle's plan sends its spills straight to the provider and the rest through the gateway, local only
+            set_policy(url, LOCAL_ONLY if name in litellm or name == ORACLE_PLAN else name, args.threshold_ms,
+                       args.hedge_after_ms, args.ttft_timeout_ms)
             time.sleep(3)
             since = time.time()
             salt += 1
-            res = asyncio.run(replay(litellm.get(name, gateway), trace, args.seed, ignore_eos=True, salt=salt))
-            if name in litellm:  # no ledger behind LiteLLM: the provider's bill from its usage
+            res = asyncio.run(replay(litellm.get(name, gateway), trace, args.seed, ignore_eos=True, salt=salt,
+                                     to=plan if name == ORACLE_PLAN else None))
+            if name in litellm or name == ORACLE_PLAN:  # not in the ledger: the provider's bill from its usage
                 spend[name] += provider_bill_usd(res, price)
             else:
                 time.sleep(2)  # the last ledger rows
@@ -392,6 +436,7 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
                 if e is not None:
                     estimates[name].append({"round": rnd + 1, **e})
             runs[name] += res
+            rounds_of[name].append(res)
             r = summarize(res, slo_s, 0.0)
             print(f"round {rnd + 1} {name:12s} SLO {r['slo_attainment']:.1%}  TTFT p50/p99 "
                   f"{r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms  external {r['external_share']:.0%}  "
@@ -400,13 +445,16 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
     oracle = None
     if LOCAL_ONLY in runs:
         try:
-            model = LocalServiceModel.fit(service_samples(runs[LOCAL_ONLY], args.max_num_seqs),
-                                          args.max_num_seqs)
+            model = local_model(rounds_of, args.policies, args.max_num_seqs)
             res = oracle_spill(trace, model, args.threshold_ms, price)
             oracle = {"model": asdict(model), "spilled": len(res.spilled), "of": len(trace),
                       "spend_usd": res.spend_nusd / 1e9 * args.rounds}
         except ValueError as e:
             print(f"oracle: not computed ({e})", flush=True)
+    if oracle is not None and plan is not None:
+        oracle["plan"] = {"spilled": len(plan), "modelled_spend_usd": plan_usd * args.rounds,
+                          "replayed_slo_attainment": results[ORACLE_PLAN]["slo_attainment"],
+                          "replayed_spend_usd": results[ORACLE_PLAN]["spend_usd"]}
     print(f"\nload at end: {load()}")
     print("\n" + "\n".join(header_lines(info)))
     print(f"\nthreshold {args.threshold_ms:.0f} ms, hedge_after {args.hedge_after_ms:.0f} ms, ttft_timeout "
@@ -426,6 +474,13 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
     if oracle:
         print(f"\noracle: spills {oracle['spilled']} of {oracle['of']} requests per round, "
               f"${oracle['spend_usd']:.5f} over {args.rounds} round(s); local model {oracle['model']}")
+        if "plan" in oracle:
+            p = oracle["plan"]
+            verdict = "" if p["replayed_slo_attainment"] >= 0.99 else (
+                " -- below the SLO: the local model is optimistic, the oracle's $ is too low")
+            print(f"oracle plan: round 1's fit spills {p['spilled']} requests (modelled "
+                  f"${p['modelled_spend_usd']:.5f}); replayed: SLO {p['replayed_slo_attainment']:.1%}, "
+                  f"${p['replayed_spend_usd']:.5f}{verdict}")
     print("\nestimate (streamed requests kept local, from the ledger: predicted vs realised wait):")
     pooled = {name: pooled_estimate(runs[name], args.threshold_ms) for name in args.policies}
     for name, per_round in estimates.items():
@@ -443,7 +498,8 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
                "litellm": {name: {"model": ep.model, "url": ep.url} for name, ep in litellm.items()} or None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (out / "outcomes.jsonl").write_text("".join(
-        json.dumps({"policy": k, **asdict(o)}) + "\n" for k, v in runs.items() for o in v))
+        json.dumps({"policy": k, "round": n + 1, **asdict(o)}) + "\n"
+        for k, rounds in rounds_of.items() for n, v in enumerate(rounds) for o in v))
 
 
 if __name__ == "__main__":

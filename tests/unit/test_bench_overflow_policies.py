@@ -92,9 +92,22 @@ def test_service_samples_mark_queued(bench):
     outs = [outcome(bench, 0, 0.2, sent=0.0, e2e=5.0), outcome(bench, 1, 0.2, sent=1.0, e2e=5.0),
             outcome(bench, 2, 4.0, sent=2.0, e2e=8.0), outcome(bench, 3, 0.3, sent=9.0, e2e=1.0),
             outcome(bench, 4, None, status=503, sent=2.5)]
-    samples = bench.service_samples(outs, slots=2)
+    samples = bench.service_samples([outs], slots=2)
     assert [s.queued for s in samples] == [False, False, True, False]
     assert samples[2].ttft_s == 4.0
+    # a second round of the same trace starts again at 0 s: its requests do not queue behind the first round's
+    again = bench.service_samples([outs, outs], slots=2)
+    assert [s.queued for s in again] == [False, False, True, False] * 2
+
+
+def test_service_samples_behind_a_prefill_or_from_a_provider(bench):
+    # a free slot, but the first request is still before its first token: the second's TTFT includes that wait;
+    # a provider's answer is no sample and holds no slot
+    outs = [outcome(bench, 0, 2.0, sent=0.0, e2e=3.0), outcome(bench, 1, 0.3, sent=1.0, e2e=2.0),
+            outcome(bench, 2, 0.1, sent=1.5, e2e=9.0, served="provider/backup"),
+            outcome(bench, 3, 0.3, sent=2.5, e2e=2.0)]
+    samples = bench.service_samples([outs], slots=4)
+    assert [(s.ttft_s, s.queued) for s in samples] == [(2.0, False), (0.3, True), (0.3, False)]
 
 
 def test_table_lists_every_policy(bench):

@@ -108,6 +108,11 @@ def test_fit_from_a_local_only_run():
     assert m.prefill_base_s == pytest.approx(0.05)
     assert m.prefill_s_per_token == pytest.approx(0.001)
     assert m.decode_s_per_token == pytest.approx(0.02)
+    # the decode rate from other samples (the local only run's load) when given
+    slow = [ServiceSample(100, 11, ttft_s=5.0, e2e_s=5.0 + 10 * 0.2, queued=True)]
+    m2 = LocalServiceModel.fit(samples, slots=4, decode_samples=slow)
+    assert (m2.prefill_base_s, m2.prefill_s_per_token) == (m.prefill_base_s, m.prefill_s_per_token)
+    assert m2.decode_s_per_token == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("samples, words", [

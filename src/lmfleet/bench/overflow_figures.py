@@ -93,13 +93,19 @@ def pooled_estimate(outcomes: list[Outcome], threshold_ms: float, model: str = "
     return estimate_error(model, pairs).as_dict(threshold_ms) if pairs else None
 
 
-def service_samples(outcomes: list[Outcome], slots: int) -> list[ServiceSample]:
-    """The oracle's inputs from a ``local only`` run: a request queued when ``slots`` earlier ones still ran."""
-    done = sorted((o for o in outcomes if o.ok and o.e2e_s is not None), key=lambda o: o.sent_s)
+def service_samples(rounds: list[list[Outcome]], slots: int) -> list[ServiceSample]:
+    """The oracle's inputs: the local answers of each round; one is queued when ``slots`` earlier local answers of
+    its round still streamed, or one of them was still before its first token, as it was sent (each round's
+    ``sent_s`` counts from that round's start, so rounds are never mixed)."""
     out = []
-    for i, o in enumerate(done):
-        running = sum(1 for p in done[:i] if p.sent_s + p.e2e_s > o.sent_s)  # type: ignore[operator]
-        out.append(ServiceSample(o.prompt_tokens, o.output_tokens, o.ttft_s, o.e2e_s, running >= slots))  # type: ignore[arg-type]
+    for outcomes in rounds:
+        done = sorted((o for o in outcomes if o.ok and o.e2e_s is not None and not o.external),
+                      key=lambda o: o.sent_s)
+        for i, o in enumerate(done):
+            ahead = [p for p in done[:i] if p.sent_s + p.e2e_s > o.sent_s]  # type: ignore[operator]
+            prefilling = any(p.sent_s + p.ttft_s > o.sent_s for p in ahead)  # type: ignore[operator]
+            out.append(ServiceSample(o.prompt_tokens, o.output_tokens, o.ttft_s, o.e2e_s,  # type: ignore[arg-type]
+                                     len(ahead) >= slots or prefilling))
     return out
 
 

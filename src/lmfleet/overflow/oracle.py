@@ -10,9 +10,11 @@ The local model (:class:`LocalServiceModel`, measured in the benchmark's ``local
   the KV cache holds it lower); further requests wait, first come first served, for the first slot to free.
 * A request holds its slot for its service time ``prefill_s + output_tokens * decode_s_per_token``, where
   ``prefill_s = prefill_base_s + prompt_tokens * prefill_s_per_token`` is its TTFT had it not queued.
-  All three coefficients are fitted on the ``local only`` run's requests (:meth:`LocalServiceModel.fit`):
-  the prefill line by least squares on (prompt tokens, TTFT) of the requests that did not queue, the decode
-  rate as the median time per output token after the first, under that run's load.
+  The coefficients are fitted on measured requests (:meth:`LocalServiceModel.fit`): the prefill line by least
+  squares on (prompt tokens, TTFT) of local answers that did not queue -- no free slot, or another request still
+  before its first token, when they arrived (the benchmark takes them from every policy's rounds: an overloaded
+  ``local only`` run has few, each round counted on its own) -- and the decode rate as the median time per output
+  token after the first, under the ``local only`` run's load.
 * A kept request's TTFT is ``start - arrival + prefill_s``; it meets the SLO when that is ``<= slo_s``.
 * A spilled request costs the provider's price for its prompt and output tokens (nano-dollars) and uses no
   local slot; the provider is assumed to meet the SLO (its TTFT is the benchmark's to report).
@@ -85,7 +87,8 @@ class ServiceSample:
     ttft_s: float
     e2e_s: float
     queued: bool
-    """It waited for a slot (its TTFT is not its prefill time)."""
+    """It waited for a slot, or arrived while another request was still before its first token (its TTFT is not
+    its prefill time alone)."""
 
 
 @dataclass(frozen=True)
@@ -111,9 +114,11 @@ class LocalServiceModel:
         return self.prefill_s(r) + r.output_tokens * self.decode_s_per_token
 
     @classmethod
-    def fit(cls, samples: Sequence[ServiceSample], slots: int) -> "LocalServiceModel":
-        """Fit the coefficients on a ``local only`` run (module docstring). Needs two unqueued requests of
-        different prompt lengths, and one request with more than one output token."""
+    def fit(cls, samples: Sequence[ServiceSample], slots: int,
+            decode_samples: Sequence[ServiceSample] | None = None) -> "LocalServiceModel":
+        """Fit the prefill line on ``samples`` and the decode rate on ``decode_samples`` (default: ``samples``;
+        module docstring). Needs two unqueued requests of different prompt lengths, and one request with more
+        than one output token."""
         unqueued = [s for s in samples if not s.queued]
         xs = [float(s.prompt_tokens) for s in unqueued]
         if len(set(xs)) < 2:
@@ -121,7 +126,8 @@ class LocalServiceModel:
                              f"got {len(unqueued)} unqueued, prompt lengths {sorted(set(xs))}")
         ys = [s.ttft_s for s in unqueued]
         slope, base = statistics.linear_regression(xs, ys)
-        per_token = [(s.e2e_s - s.ttft_s) / (s.output_tokens - 1) for s in samples if s.output_tokens > 1]
+        per_token = [(s.e2e_s - s.ttft_s) / (s.output_tokens - 1)
+                     for s in (samples if decode_samples is None else decode_samples) if s.output_tokens > 1]
         if not per_token:
             raise ValueError("fitting the decode rate needs a request with more than one output token")
         return cls(slots=slots, prefill_base_s=max(0.0, base), prefill_s_per_token=max(0.0, slope),

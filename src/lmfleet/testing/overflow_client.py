@@ -2,7 +2,8 @@
 arrival (open loop) or back to back (closed loop, to measure capacity), timed from the client's side.
 
 An :class:`Endpoint` is lmfleet's gateway (its ``x-lmfleet-*`` headers say who answered and why) or the real
-LiteLLM proxy (``litellm_provider`` set: its ``x-litellm-*`` headers say whether the fallback answered).
+LiteLLM proxy (``litellm_provider`` set: its ``x-litellm-*`` headers say whether the fallback answered), or a
+provider reached directly (``served_by`` set).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lmfleet.bench.overflow_figures import LITELLM_FALLBACK, Outcome
@@ -34,6 +36,8 @@ class Endpoint:
     api_key: str = ""
     litellm_provider: str = ""
     """A LiteLLM proxy: the provider's base URL, to tell its fallbacks from the engine's answers."""
+    served_by: str = ""
+    """What answers here when no gateway says so (a provider reached directly): the outcomes' ``served_by``."""
 
 
 def prompt_text(r: TraceRequest, seed: int, salt: int = 0) -> str:
@@ -61,6 +65,8 @@ async def send(session, ep: Endpoint, r: TraceRequest, seed: int, t0: float, ign
             o.status = resp.status
             h = resp.headers
             o.served_by, o.route_reason = h.get("x-lmfleet-served-by", ""), h.get("x-lmfleet-route-reason", "")
+            if ep.served_by:
+                o.served_by, o.route_reason = ep.served_by, "direct"
             if ep.litellm_provider:
                 fell_back = answered_by_provider(h, ep.litellm_provider)
                 o.served_by = "provider/litellm-fallback" if fell_back else f"local/{ep.model}"
@@ -88,8 +94,10 @@ async def send(session, ep: Endpoint, r: TraceRequest, seed: int, t0: float, ign
     return o
 
 
-async def replay(ep: Endpoint, trace: list[TraceRequest], seed: int, ignore_eos: bool, salt: int) -> list[Outcome]:
-    """Send every request at its arrival time (open loop), whatever the answers; ``salt``: :func:`prompt_text`."""
+async def replay(ep: Endpoint, trace: list[TraceRequest], seed: int, ignore_eos: bool, salt: int,
+                 to: Mapping[int, Endpoint] | None = None) -> list[Outcome]:
+    """Send every request at its arrival time (open loop), whatever the answers; ``salt``: :func:`prompt_text`;
+    ``to``: trace indices sent to another endpoint than ``ep`` (an oracle's spill plan)."""
     import aiohttp
 
     conn = aiohttp.TCPConnector(limit=0)
@@ -100,7 +108,7 @@ async def replay(ep: Endpoint, trace: list[TraceRequest], seed: int, ignore_eos:
             delay = t0 + r.arrival_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(s, ep, r, seed, t0, ignore_eos, salt)))
+            tasks.append(asyncio.create_task(send(s, (to or {}).get(r.index, ep), r, seed, t0, ignore_eos, salt)))
         return list(await asyncio.gather(*tasks))
 
 
