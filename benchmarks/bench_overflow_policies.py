@@ -80,8 +80,9 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from lmfleet.bench.overflow_figures import (Outcome, estimate_line, header_lines, pooled_estimate,  # noqa: F401
-                                            provider_bill_usd, service_samples, summarize, table)
+from lmfleet.bench.overflow_figures import (LOCAL_ONLY, Outcome, estimate_line, header_lines,  # noqa: F401
+                                            local_model, pooled_estimate, provider_bill_usd, service_samples,
+                                            summarize, table)
 from lmfleet.bench.loto import append_rows, dataset_rows
 from lmfleet.bench.mix import BenchInputError
 from lmfleet.bench.replay import parse_replay, read_trace_file, replay as replay_trace
@@ -89,7 +90,7 @@ from lmfleet.bench.shapes import SHAPES, shape_trace
 from lmfleet.bench.trace import TraceRequest
 from lmfleet.config.models import ProviderPrice
 from lmfleet.net import free_port
-from lmfleet.overflow.oracle import LocalServiceModel, oracle_spill
+from lmfleet.overflow.oracle import oracle_spill
 from lmfleet.provenance import is_external
 from lmfleet.testing.fleet import autogroup_nice
 from lmfleet.testing.litellm_proxy import LiteLLMProxy, arm_model, litellm_bin, litellm_config
@@ -103,7 +104,6 @@ KEYS = {"admin": ADMIN, "api": ""}
 """The admin key and the client's API key in use (``--admin-key``, ``--api-key`` with ``--url``)."""
 PKEY = "sk-bench-provider"
 MODEL = "smollm2"
-LOCAL_ONLY = "local only"
 POLICIES = ("predictive", "hedge", "ttft_timeout", "on_error", LOCAL_ONLY)
 ORACLE_PLAN = "oracle plan"
 """The arm that replays the oracle's spill set: those requests straight to the provider, the rest local only."""
@@ -355,14 +355,6 @@ def workload(args: argparse.Namespace, capacity_rps: float | None) -> tuple[list
 TRACES: dict[Path, list] = {}  # each trace file read once
 
 
-def local_model(rounds_of: dict[str, list[list[Outcome]]], policies: list[str], slots: int) -> LocalServiceModel:
-    """The oracle's local model (:mod:`lmfleet.overflow.oracle`): the prefill line on the local answers of every
-    policy's rounds so far, the decode rate on the ``local only`` rounds."""
-    every = [res for name in policies for res in rounds_of[name]]
-    return LocalServiceModel.fit(service_samples(every, slots), slots,
-                                 decode_samples=service_samples(rounds_of[LOCAL_ONLY], slots))
-
-
 def spill_plan(trace: list[TraceRequest], spilled: tuple[int, ...], provider: Endpoint) -> dict[int, Endpoint]:
     """The oracle's spill set (positions in ``trace``) as :func:`replay`'s ``to``: request index -> provider."""
     return {trace[i].index: provider for i in spilled}
@@ -492,7 +484,8 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
                "trace": info, "requests_per_round": len(trace), "seed": args.seed,
                "threshold_ms": args.threshold_ms, "hedge_after_ms": args.hedge_after_ms,
                "ttft_timeout_ms": args.ttft_timeout_ms, "miss_quantile": args.miss_quantile, "rounds": args.rounds,
-               "results": results,
+               "price": {"input_per_1m": args.price_in, "output_per_1m": args.price_out},
+               "max_num_seqs": args.max_num_seqs, "results": results,
                "outside_nice": args.outside_nice, "oracle": oracle, "estimate": estimates,
                "estimate_pooled_client": pooled,
                "litellm": {name: {"model": ep.model, "url": ep.url} for name, ep in litellm.items()} or None}

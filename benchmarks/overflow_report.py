@@ -7,6 +7,10 @@ Each summary is one trace (its window and factors are in the table); arms are lm
 run had ``--litellm``, the real LiteLLM proxy. Writes ``report.md`` (the table, then per trace which of issue 48's
 targets held: :func:`lmfleet.bench.policy_report.targets`) and ``attainment_vs_spend.png`` (one panel per trace:
 SLO attainment against provider dollars, one point per arm, the oracle's dollars dotted).
+
+``--refit-oracle``: where a run's ``outcomes.jsonl`` lies beside its summary, its oracle is fitted again with the
+benchmark's current local model (:func:`lmfleet.bench.overflow_figures.refit_oracle`), so runs recorded with an
+older fit compare on the same footing; the report lists each run's oracle before and after.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
+from lmfleet.bench.overflow_figures import refit_oracle
 from lmfleet.bench.policy_report import Row, attribution, markdown, rows, targets, trace_label
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
@@ -51,6 +56,8 @@ def main() -> None:
     ap.add_argument("summaries", nargs="*", type=Path, help="summary.json files of bench_overflow_policies.py")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="the summaries recorded under docs/benchmarks/")
+    ap.add_argument("--refit-oracle", action="store_true",
+                    help="fit each run's oracle again from the outcomes.jsonl beside its summary (when there is one)")
     a = ap.parse_args()
     files = sorted(DOCS.glob("bench_overflow_policies_*.json")) if a.smoke else a.summaries
     if not files:
@@ -58,11 +65,23 @@ def main() -> None:
     by_trace: dict[str, list[Row]] = {}
     credits: set[str] = set()
     oracle: dict[str, float] = {}
+    refits: list[str] = []
     for f in files:
         s = json.loads(f.read_text())
         t = s.get("trace") or {}
         if "results" not in s or not ("name" in t or t.get("kind") == "trace"):  # runs from before traces were named
             continue
+        outcomes = f.parent / "outcomes.jsonl"
+        if a.refit_oracle and outcomes.exists():
+            before = (s.get("oracle") or {}).get("spend_usd")
+            try:
+                s["oracle"] = refit_oracle(s, [json.loads(line) for line in outcomes.read_text().splitlines()])
+            except ValueError as e:
+                refits.append(f"- {trace_label(s)}: oracle not refitted ({e})")
+            else:
+                o = s["oracle"]
+                refits.append(f"- {trace_label(s)}: oracle ${before or 0:.5f} -> ${o['spend_usd']:.5f} (spills "
+                              f"{o['spilled']} of {o['of']} per round; local model {o['model']})")
         if (credit := attribution(s)) is not None:
             credits.add(credit)
         for r in rows(s):
@@ -71,6 +90,8 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     text = ["# Overflow policies per trace", "", markdown([r for rs in by_trace.values() for r in rs])]
     text += [f"Trace: {c}" for c in sorted(credits)] + [""]
+    if refits:
+        text += ["Oracles fitted again from outcomes.jsonl:", *refits, ""]
     for trace, rs in by_trace.items():
         held = targets(rs)
         text.append(f"- {trace}: " + "; ".join(f"{k}: {'–' if v is None else ('met' if v else 'MISSED')}"

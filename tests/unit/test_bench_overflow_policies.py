@@ -173,3 +173,42 @@ def test_every_shape_builds_a_trace_and_names_its_knobs(bench, shape, smoke):
     assert trace and all(r.prompt_tokens + r.output_tokens <= 4096 for r in trace)
     assert info["name"] == shape and info["params"] and shape in info["describe"]
     json.dumps(info)  # summary.json
+
+
+def _records(arm, rnd, rows):
+    return [{"policy": arm, **({"round": rnd} if rnd else {}), "index": i, "prompt_tokens": p, "output_tokens": 5,
+             "sent_s": sent, "ttft_s": ttft, "e2e_s": ttft + 4 * 0.1, "status": 200, "served_by": served,
+             "route_reason": "", "hedged": False, "estimate_ms": None, "error": ""}
+            for i, (p, sent, ttft, served) in enumerate(rows)]
+
+
+def test_rounds_from_lines_with_and_without_round_numbers():
+    from lmfleet.bench.overflow_figures import rounds_from_lines
+
+    rows = [(100, 0.0, 0.2, "local/m"), (300, 5.0, 0.4, "local/m")]
+    numbered = _records("local only", 1, rows) + _records("local only", 2, rows)
+    unnumbered = _records("local only", None, rows) + _records("local only", None, rows)
+    for recs in (numbered, unnumbered):
+        got = rounds_from_lines(recs)
+        assert list(got) == ["local only"] and [len(r) for r in got["local only"]] == [2, 2]
+        assert got["local only"][1][1].prompt_tokens == 300
+
+
+def test_refit_oracle_from_a_saved_run():
+    # prefill 0.1 s + 1 ms/token, 0.1 s per output token; one slot; SLO 1 s: the second request arrives while the
+    # first holds the slot until 0.7 s, so its 0.4 s prefill would end at 1.1 s: spilling the cheaper first one
+    # lets it meet the SLO
+    from lmfleet.bench.overflow_figures import refit_oracle
+
+    local = [(100, 0.0, 0.2, "local/m"), (300, 0.05, 0.4, "local/m"), (200, 10.0, 0.3, "local/m")]
+    recs = _records("local only", 1, local) + _records("predictive", 1, local)
+    summary = {"threshold_ms": 1000, "rounds": 1, "max_num_seqs": 1, "results": {"local only": {}, "predictive": {}},
+               "price": {"input_per_1m": 1.0, "output_per_1m": 2.0}}
+    o = refit_oracle(summary, recs)
+    assert o["model"]["prefill_base_s"] == pytest.approx(0.1) and o["model"]["prefill_s_per_token"] == pytest.approx(
+        0.001)
+    assert o["model"]["decode_s_per_token"] == pytest.approx(0.1)
+    assert (o["spilled"], o["of"], o["refit"]) == (1, 3, True)
+    assert o["spend_usd"] == pytest.approx((100 * 1.0 + 5 * 2.0) / 1e6)
+    with pytest.raises(ValueError, match="no local only arm"):
+        refit_oracle(summary, _records("predictive", 1, local))

@@ -10,16 +10,19 @@ prompt went to the engine, waited past the timeout and was sent again to the pro
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from lmfleet.config.models import ProviderPrice
 from lmfleet.overflow.estimate_error import estimate_error, percentile
-from lmfleet.overflow.oracle import ServiceSample
+from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, oracle_spill
 from lmfleet.provenance import is_external
 
-__all__ = ["LITELLM_FALLBACK", "Outcome", "estimate_line", "pooled_estimate", "header_lines", "provider_bill_usd",
-           "service_samples", "summarize", "table"]
+__all__ = ["LITELLM_FALLBACK", "LOCAL_ONLY", "Outcome", "estimate_line", "local_model", "pooled_estimate",
+           "header_lines", "provider_bill_usd", "refit_oracle", "rounds_from_lines", "service_samples", "summarize",
+           "table"]
 
+LOCAL_ONLY = "local only"
+"""The arm with overflow forced off: the oracle's decode rate is measured on it."""
 LITELLM_FALLBACK = "litellm_fallback"
 """The route reason of a request the LiteLLM proxy answered from its fallback (the provider)."""
 
@@ -107,6 +110,60 @@ def service_samples(rounds: list[list[Outcome]], slots: int) -> list[ServiceSamp
             out.append(ServiceSample(o.prompt_tokens, o.output_tokens, o.ttft_s, o.e2e_s,  # type: ignore[arg-type]
                                      len(ahead) >= slots or prefilling))
     return out
+
+
+def local_model(rounds_of: Mapping[str, list[list[Outcome]]], policies: list[str], slots: int) -> LocalServiceModel:
+    """The oracle's local model (:mod:`lmfleet.overflow.oracle`): the prefill line on the local answers of every
+    policy's rounds, the decode rate on the ``local only`` rounds. Raises ValueError when they are too few."""
+    every = [res for name in policies for res in rounds_of.get(name, [])]
+    return LocalServiceModel.fit(service_samples(every, slots), slots,
+                                 decode_samples=service_samples(list(rounds_of.get(LOCAL_ONLY, [])), slots))
+
+
+def rounds_from_lines(records: list[dict]) -> dict[str, list[list[Outcome]]]:
+    """``outcomes.jsonl``'s records (``{"policy", "round", **Outcome}``) back into per-arm rounds; records without
+    ``round`` start a new round where ``index`` restarts at 0."""
+    out: dict[str, list[list[Outcome]]] = {}
+    for rec in records:
+        rec = dict(rec)
+        arm, rnd = rec.pop("policy"), rec.pop("round", None)
+        rounds = out.setdefault(arm, [])
+        if (rnd is None and (rec["index"] == 0 or not rounds)) or (rnd is not None and rnd > len(rounds)):
+            rounds.append([])
+        rounds[-1 if rnd is None else rnd - 1].append(Outcome(**rec))
+    return out
+
+
+@dataclass(frozen=True)
+class _Traced:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def refit_oracle(summary: Mapping, records: list[dict]) -> dict:
+    """A saved run's oracle fitted again with :func:`local_model` from its ``outcomes.jsonl`` records: the trace is
+    each request's earliest send time and the ``local only`` arm's token counts (the engine's, chat template
+    included), priced at the summary's ``price`` (the benchmark's default, 0.5 / 1.5 $ per 1M, when it has none).
+    Raises ValueError when the run has no ``local only`` arm or too few samples."""
+    rounds_of = rounds_from_lines(records)
+    if not rounds_of.get(LOCAL_ONLY):
+        raise ValueError("the run has no local only arm")
+    slots = int(summary.get("max_num_seqs") or 8)
+    policies = [a for a in rounds_of if a in summary.get("results", {}) and not a.startswith("litellm")
+                and a != "oracle plan"]
+    model = local_model(rounds_of, policies, slots)
+    first = {o.index: o for o in rounds_of[LOCAL_ONLY][0]}
+    sent = {}
+    for rounds in rounds_of.values():
+        for res in rounds:
+            for o in res:
+                sent[o.index] = min(sent.get(o.index, o.sent_s), o.sent_s)
+    trace = [_Traced(sent[i], first[i].prompt_tokens, first[i].output_tokens) for i in sorted(first)]
+    price = ProviderPrice(**(summary.get("price") or {"input_per_1m": 0.5, "output_per_1m": 1.5}))
+    res = oracle_spill(trace, model, float(summary["threshold_ms"]), price)
+    return {"model": asdict(model), "spilled": len(res.spilled), "of": len(trace),
+            "spend_usd": res.spend_nusd / 1e9 * int(summary.get("rounds") or 1), "refit": True}
 
 
 def table(results: dict[str, dict], oracle_usd: float | None) -> str:
