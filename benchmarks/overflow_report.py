@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from lmfleet.bench.overflow_figures import refit_oracle
@@ -84,9 +85,13 @@ def main() -> None:
                               f"{o['spilled']} of {o['of']} per round; local model {o['model']})")
         if (credit := attribution(s)) is not None:
             credits.add(credit)
+        label = trace_label(s)
+        runs = sum(1 for t in by_trace if t == label or t.startswith(f"{label} (run "))
+        if runs:  # another run of the same trace: its own rows, targets and panel
+            label = f"{label} (run {runs + 1})"
         for r in rows(s):
-            by_trace.setdefault(r.trace, []).append(r)
-        oracle[trace_label(s)] = float((s.get("oracle") or {}).get("spend_usd") or 0.0)
+            by_trace.setdefault(label, []).append(replace(r, trace=label))
+        oracle[label] = float((s.get("oracle") or {}).get("spend_usd") or 0.0)
     a.out.mkdir(parents=True, exist_ok=True)
     text = ["# Overflow policies per trace", "", markdown([r for rs in by_trace.values() for r in rs])]
     text += [f"Trace: {c}" for c in sorted(credits)] + [""]

@@ -17,13 +17,16 @@ GOOD = [row("predictive", 0.995), row("hedge", 1.0, twice=0.1), row("litellm 250
 
 
 @pytest.mark.parametrize("trace_rows,key,expected", [
-    (GOOD, "predictive >= 99 % at <= 1.3x oracle, 0 errors, 0 sent twice", True),
-    ([row("predictive", 0.98)], "predictive >= 99 % at <= 1.3x oracle, 0 errors, 0 sent twice", False),
-    ([row("predictive", 1.0, x=1.31)], "predictive >= 99 % at <= 1.3x oracle, 0 errors, 0 sent twice", False),
-    ([row("predictive", 1.0, errors=1)], "predictive >= 99 % at <= 1.3x oracle, 0 errors, 0 sent twice", False),
-    ([row("predictive", 1.0, twice=0.001)], "predictive >= 99 % at <= 1.3x oracle, 0 errors, 0 sent twice", False),
-    ([row("predictive", 1.0, x=None)], "predictive >= 99 % at <= 1.3x oracle, 0 errors, 0 sent twice", True),
-    ([row("hedge", 0.996)], "predictive >= 99 % at <= 1.3x oracle, 0 errors, 0 sent twice", None),
+    (GOOD, "predictive >= 99 %, 0 errors, 0 sent twice", True),
+    ([row("predictive", 0.98)], "predictive >= 99 %, 0 errors, 0 sent twice", False),
+    ([row("predictive", 1.0, errors=1)], "predictive >= 99 %, 0 errors, 0 sent twice", False),
+    ([row("predictive", 1.0, twice=0.001)], "predictive >= 99 %, 0 errors, 0 sent twice", False),
+    ([row("hedge", 0.996)], "predictive >= 99 %, 0 errors, 0 sent twice", None),
+    (GOOD, "predictive <= 1.3x oracle", True),
+    ([row("predictive", 1.0, x=1.31)], "predictive <= 1.3x oracle", False),
+    ([row("predictive", 1.0, x=None)], "predictive <= 1.3x oracle", None),
+    ([row("predictive", 1.0, x=1.31), row("oracle plan", 0.99)], "predictive <= 1.3x oracle", False),
+    ([row("predictive", 1.0, x=4.5), row("oracle plan", 0.135)], "predictive <= 1.3x oracle", None),  # the oracle's $ is no bound
     (GOOD, "hedge >= 99.5 %", True),
     ([row("hedge", 0.994)], "hedge >= 99.5 %", False),
     (GOOD, "estimate P90 error <= 25 % (predictive)", True),

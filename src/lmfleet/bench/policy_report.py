@@ -66,17 +66,24 @@ def rows(summary: dict[str, Any]) -> list[Row]:
     return out
 
 
+ORACLE_PLAN = "oracle plan"
+"""The benchmark's arm that replays the oracle's spill set: below 99 % its model was optimistic."""
+
+
 def targets(trace_rows: list[Row]) -> dict[str, bool | None]:
-    """Issue 48's targets on one trace (None: the arm was not run): predictive >= 99 % at <= 1.3x the oracle with
-    0 errors and nothing sent twice; hedge >= 99.5 %; the estimate's P90 error <= 25 % under predictive; predictive
-    above every LiteLLM arm's attainment at no more than its spend."""
+    """Issue 48's targets on one trace (None: the arm was not run, or nothing to compare with): predictive >= 99 %
+    with 0 errors and nothing sent twice; predictive at <= 1.3x the oracle's spend (None when the oracle plan arm,
+    replayed, met the SLO for less than 99 %: then the oracle's spend is no bound); hedge >= 99.5 %; the
+    estimate's P90 error <= 25 % under predictive; predictive above every LiteLLM arm's attainment at no more
+    than its spend."""
     by = {r.arm: r for r in trace_rows}
-    p, h = by.get("predictive"), by.get("hedge")
+    p, h, plan = by.get("predictive"), by.get("hedge"), by.get(ORACLE_PLAN)
     lite = [r for r in trace_rows if r.arm.startswith("litellm")]
+    no_bound = plan is not None and plan.attainment < 0.99
     return {
-        "predictive >= 99 % at <= 1.3x oracle, 0 errors, 0 sent twice": None if p is None else (
-            p.attainment >= 0.99 and (p.x_oracle is None or p.x_oracle <= 1.3) and p.errors == 0
-            and p.sent_twice_share == 0),
+        "predictive >= 99 %, 0 errors, 0 sent twice": None if p is None else (
+            p.attainment >= 0.99 and p.errors == 0 and p.sent_twice_share == 0),
+        "predictive <= 1.3x oracle": None if p is None or p.x_oracle is None or no_bound else p.x_oracle <= 1.3,
         "hedge >= 99.5 %": None if h is None else h.attainment >= 0.995,
         "estimate P90 error <= 25 % (predictive)": None if p is None or p.estimate_p90_pct is None else
             p.estimate_p90_pct <= 25,
