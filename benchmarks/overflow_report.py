@@ -8,7 +8,8 @@ run had ``--litellm``, the real LiteLLM proxy. Writes ``report.md`` (the table, 
 targets held: :func:`lmfleet.bench.policy_report.targets`) and ``attainment_vs_spend.png`` (one panel per trace:
 SLO attainment against provider dollars, one point per arm, the oracle's dollars dotted).
 
-``--refit-oracle``: where a run's ``outcomes.jsonl`` lies beside its summary, its oracle is fitted again with the
+``--refit-oracle``: where a run's ``outcomes.jsonl`` lies beside its summary (or ``NAME.outcomes.jsonl.gz`` beside
+``NAME.json``, as under docs/benchmarks), its oracle is fitted again with the
 benchmark's current local model (:func:`lmfleet.bench.overflow_figures.refit_oracle`), so runs recorded with an
 older fit compare on the same footing; the report lists each run's oracle before and after.
 """
@@ -16,6 +17,7 @@ older fit compare on the same footing; the report lists each run's oracle before
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -72,23 +74,26 @@ def main() -> None:
         t = s.get("trace") or {}
         if "results" not in s or not ("name" in t or t.get("kind") == "trace"):  # runs from before traces were named
             continue
-        outcomes = f.parent / "outcomes.jsonl"
-        if a.refit_oracle and outcomes.exists():
-            before = (s.get("oracle") or {}).get("spend_usd")
-            try:
-                s["oracle"] = refit_oracle(s, [json.loads(line) for line in outcomes.read_text().splitlines()])
-            except ValueError as e:
-                refits.append(f"- {trace_label(s)}: oracle not refitted ({e})")
-            else:
-                o = s["oracle"]
-                refits.append(f"- {trace_label(s)}: oracle ${before or 0:.5f} -> ${o['spend_usd']:.5f} (spills "
-                              f"{o['spilled']} of {o['of']} per round; local model {o['model']})")
-        if (credit := attribution(s)) is not None:
-            credits.add(credit)
         label = trace_label(s)
         runs = sum(1 for t in by_trace if t == label or t.startswith(f"{label} (run "))
         if runs:  # another run of the same trace: its own rows, targets and panel
             label = f"{label} (run {runs + 1})"
+        outcomes = next((p for p in (f.parent / "outcomes.jsonl", f.with_suffix(".outcomes.jsonl.gz")) if p.exists()),
+                        None)
+        if a.refit_oracle and outcomes is not None:
+            before = (s.get("oracle") or {}).get("spend_usd")
+            text = (gzip.decompress(outcomes.read_bytes()).decode() if outcomes.suffix == ".gz"
+                    else outcomes.read_text())
+            try:
+                s["oracle"] = refit_oracle(s, [json.loads(line) for line in text.splitlines()])
+            except ValueError as e:
+                refits.append(f"- {label}: oracle not refitted ({e})")
+            else:
+                o = s["oracle"]
+                refits.append(f"- {label}: oracle ${before or 0:.5f} -> ${o['spend_usd']:.5f} (spills "
+                              f"{o['spilled']} of {o['of']} per round; local model {o['model']})")
+        if (credit := attribution(s)) is not None:
+            credits.add(credit)
         for r in rows(s):
             by_trace.setdefault(label, []).append(replace(r, trace=label))
         oracle[label] = float((s.get("oracle") or {}).get("spend_usd") or 0.0)

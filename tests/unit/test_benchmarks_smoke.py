@@ -25,7 +25,7 @@ SMOKE = [
     ("bench_tenants.py", ["--duration", "1", "--loads", "1"]),
     ("bench_rate_store.py", ["20"]),
     ("estimator_loto.py", ["--smoke", "--out", "out"]),
-    ("overflow_report.py", ["--smoke", "--out", "out"]),
+    ("overflow_report.py", ["--smoke", "--refit-oracle", "--out", "out"]),
 ]
 # start engines (or need GPUs): their imports and arguments only
 HELP_ONLY = ["bench_gateway.py", "gpu_serve.py", "bench_overflow.py", "bench_gateways_overload.py",
