@@ -176,8 +176,8 @@ def applied_fleet(tmp_path_factory):
                 "engine": {"max_model_len": 512, "cpu_kvcache_space_gib": 1, "max_num_seqs": 2,
                            "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}},
                 "deployment": {"replicas": 1, "max_ongoing_requests": 4, "request_timeout_s": 60},
-                # the cold-start figures of a tiny engine (not a chat model's 1 s / 10 s): without them every
-                # estimate starts over the threshold and no local request is ever measured
+                # the cold-start figures of a tiny engine (not a chat model's 1 s / 10 s): with those, the
+                # estimates under load before much is measured are far over the threshold
                 "overflow": {"threshold_ms": 700, "providers": ["fake1"], "cold_ttft_s": 0.2,
                              "cold_service_s": 1.0}}],
         }

@@ -103,7 +103,8 @@ async def test_overflow_switched_off_keeps_new_requests_local(tmp_path) -> None:
                        {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))})
     gw = app.state.gateway
     c = await started_client(app)
-    await c.post("/admin/overflow", json={"threshold_ms": 1}, headers=ADMIN)  # every estimate is over it
+    await c.post("/admin/overflow", json={"threshold_ms": 1}, headers=ADMIN)
+    gw.models["m"].local.tracker.on_start()  # one in flight: no idle engine to try, every estimate is over 1 ms
     assert (await c.post("/v1/chat/completions", json=CHAT)).headers["x-lmfleet-served-by"] == "provider/p"
     live = LiveFleet(running_fleet(app), gw.router, gw.providers, gw.clients)
     live.take(changed(live.fleet, models__overflow__enabled=False, models__overflow__hysteresis=0.5))

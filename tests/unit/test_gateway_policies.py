@@ -118,7 +118,8 @@ async def test_ttft_timeout_cancels_the_local_attempt_and_fails_over(tmp_path):
 async def test_local_first_policies_keep_a_request_local_whatever_the_estimate(tmp_path, policy, timer):
     app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
     c = await started_client(app)
-    await _policy(c, threshold_ms=0.001)  # every estimate is above it: predictive would spill
+    await _policy(c, threshold_ms=0.001)
+    app.state.gateway.models["m"].local.tracker.on_start()  # one in flight: every estimate is above it
     r = await c.post("/v1/chat/completions", json=CHAT)
     assert r.headers["x-lmfleet-served-by"] == "provider/p"
     await _policy(c, policy=policy, **timer)

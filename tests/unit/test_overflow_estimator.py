@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from lmfleet.config.models import ModelConfig
-from lmfleet.overflow.estimator import estimate_wait_ms, local_capacity
+from lmfleet.overflow.estimator import cold_ttft_for, estimate_wait_ms, local_capacity
 from lmfleet.overflow.signals import LoadTracker, QueueSignals
 
 
@@ -172,3 +172,17 @@ def psig(in_flight=0, drain=None, base=0.3, pending=0, k=None, base_work=None):
 )
 def test_prefill_term(signals, prompt_tokens, expected_ms):
     assert estimate_wait_ms(signals, 4, prompt_tokens=prompt_tokens) == pytest.approx(expected_ms)
+
+
+@pytest.mark.parametrize("signals, cold_ttft_s, threshold_ms, expected", [
+    (sig(), 1.0, 700.0, 0.35),  # nothing measured, idle: tried locally under a threshold below the cold figure
+    (sig(), 1.0, 2500.0, 1.0),  # the default threshold: the cold figure is under it
+    (sig(), 1.0, 1000.0, 1.0),  # at the threshold: not over it, unchanged
+    (sig(), 0.2, 700.0, 0.2),
+    (sig(in_flight=1), 1.0, 700.0, 1.0),  # something in flight: the cold figure stands
+    (sig(base=0.9), 1.0, 700.0, 1.0),  # measured: the cold figure is not used anyway
+])
+def test_cold_ttft_explores_an_idle_unmeasured_engine(signals, cold_ttft_s, threshold_ms, expected):
+    assert cold_ttft_for(signals, cold_ttft_s, threshold_ms) == pytest.approx(expected)
+    if expected < cold_ttft_s:  # the estimate then stays under the threshold
+        assert estimate_wait_ms(signals, 4, cold_ttft_s=expected) < threshold_ms

@@ -30,7 +30,10 @@ class OverflowPolicyConfig(Strict):
     cold_service_s: float = Field(
         10.0, gt=0, description="Assumed seconds per request before any completion is measured (cold start)."
     )
-    cold_ttft_s: float = Field(1.0, gt=0, description="Assumed prefill time (TTFT at low load) before any is measured.")
+    cold_ttft_s: float = Field(
+        1.0, gt=0, description="Assumed prefill time (TTFT at low load) before any is measured. Above threshold_ms, "
+        "an idle engine is assumed at half the threshold instead, so that it is tried and measured rather than every "
+        "request sent to a provider.")
     local_first_token_timeout_s: float = Field(
         60.0, gt=0, description="With a provider configured: a local request with no first token after this long "
         "is cancelled and sent to the provider."

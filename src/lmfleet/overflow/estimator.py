@@ -44,6 +44,11 @@ Cold start (no measurements): the drain rate defaults to ``C / cold_service_s`` 
 busy for ``cold_service_s`` per request, 10 s by default: pessimistic for chat models) and
 ``base_ttft`` to ``cold_ttft_s``. An idle engine then predicts ``cold_ttft_s`` (1 s, under the
 2.5 s default threshold: stay local); a queue predicts several seconds per queued slot-round.
+With a threshold under ``cold_ttft_s`` an idle engine would be predicted over it for ever: every request would go
+to a provider, and none would measure the engine. So while no TTFT is measured and nothing is in flight, a
+``cold_ttft_s`` above the threshold is replaced by ``EXPLORE_SHARE`` of the threshold (:func:`cold_ttft_for`): the
+next request is tried locally and measured; if the engine is slower than the threshold, the measured base TTFT
+then spills the requests after it.
 """
 
 from __future__ import annotations
@@ -51,7 +56,12 @@ from __future__ import annotations
 from lmfleet.config.models import ModelConfig
 from lmfleet.overflow.signals import QueueSignals
 
-__all__ = ["estimate_wait_ms", "local_capacity", "prefill_excess_s", "serving_capacity"]
+__all__ = ["EXPLORE_SHARE", "cold_ttft_for", "estimate_wait_ms", "local_capacity", "prefill_excess_s",
+           "serving_capacity"]
+
+EXPLORE_SHARE = 0.5
+"""While no TTFT is measured and nothing is in flight, a cold prefill time above the threshold is replaced by this
+share of it (:func:`cold_ttft_for`)."""
 
 
 def local_capacity(model: ModelConfig, replicas: int | None = None) -> int:
@@ -118,6 +128,14 @@ def estimate_wait_ms(
         return base_s * 1000.0
     drain = signals.drain_rps if signals.drain_rps else slots / cold_service_s
     return (ahead / drain + base_s) * 1000.0
+
+
+def cold_ttft_for(signals: QueueSignals, cold_ttft_s: float, threshold_ms: float) -> float:
+    """The ``cold_ttft_s`` to estimate with (module docstring): ``EXPLORE_SHARE x threshold`` when it is above the
+    threshold while no base TTFT is measured and nothing is in flight, else ``cold_ttft_s`` unchanged."""
+    if signals.base_ttft_s is None and signals.in_flight == 0 and cold_ttft_s * 1000.0 > threshold_ms:
+        return EXPLORE_SHARE * threshold_ms / 1000.0
+    return cold_ttft_s
 
 
 def prefill_excess_s(signals: QueueSignals, prompt_tokens: int) -> float:

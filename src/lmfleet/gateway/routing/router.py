@@ -33,6 +33,7 @@ from lmfleet.gateway.routing.decision import LOCAL, RouteInputs, route_plan
 from lmfleet.overflow import BudgetStatus, ProviderCandidate, QueueSignals, Reason, check_budget, estimate_wait_ms
 from lmfleet.overflow.admission import Admission
 from lmfleet.overflow.budget import DAY_S
+from lmfleet.overflow.estimator import cold_ttft_for
 from lmfleet.overflow.margin import applied_margin_ms
 from lmfleet.overflow.policies import Permissions
 from lmfleet.store import Cap, Ledger, StoreUnavailable, caps_for_budget, tenant_key
@@ -148,7 +149,8 @@ class Router:
     @staticmethod
     def _estimate(m: ServedModel, fed: QueueSignals, prompt_tokens: int) -> float:
         o = m.app.cfg.overflow
-        return estimate_wait_ms(fed, m.app.capacity, cold_service_s=o.cold_service_s, cold_ttft_s=o.cold_ttft_s,
+        return estimate_wait_ms(fed, m.app.capacity, cold_service_s=o.cold_service_s,
+                                cold_ttft_s=cold_ttft_for(fed, o.cold_ttft_s, m.threshold_ms),
                                 prompt_tokens=prompt_tokens)
 
     async def budget_status(self) -> BudgetStatus | None:
