@@ -34,8 +34,12 @@ def plot(by_trace: dict[str, list[Row]], oracle: dict[str, float], path: Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(by_trace), figsize=(5.5 * len(by_trace), 4.5), squeeze=False)
-    for ax, (trace, rs) in zip(axes[0], by_trace.items()):
+    cols = min(4, len(by_trace))
+    nrows = -(-len(by_trace) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.5 * nrows), squeeze=False)
+    for ax in axes.flat[len(by_trace):]:
+        ax.set_visible(False)
+    for ax, (trace, rs) in zip(axes.flat, by_trace.items()):
         for r in rs:
             marker = "s" if r.arm.startswith("litellm") else "o"
             ax.scatter(r.spend_usd, 100 * r.attainment, marker=marker, s=50)
