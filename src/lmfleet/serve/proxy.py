@@ -168,11 +168,12 @@ def is_node_haproxy(cmdline: list[str], node_id: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # the two I/O helpers: free ports for a local head, and HAProxy processes Ray leaves behind
 # ---------------------------------------------------------------------------------------------
-def free_ports() -> HaproxyPorts:
-    """Three distinct ports free now on all interfaces (see :func:`lmfleet.net.free_port`)."""
+def free_ports(exclude: frozenset[int] = frozenset()) -> HaproxyPorts:
+    """Three distinct ports free now on all interfaces (see :func:`lmfleet.net.free_port`), none of ``exclude``
+    (ports configured but not bound yet, such as the serve port HAProxy binds beside them)."""
     ports: list[int] = []
     while len(ports) < 3:
-        p = free_port(exclude=frozenset(ports))
+        p = free_port(exclude=frozenset(ports) | exclude)
         if p not in ports:
             ports.append(p)
     return HaproxyPorts(*ports)

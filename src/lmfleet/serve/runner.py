@@ -113,7 +113,9 @@ def connect_ray(fleet: FleetConfig, address: str | None, *, verbose: bool = Fals
         return connect(address, env_vars=effective_env(serve_env(fleet), os.environ), **quiet)
     cpus = fleet.cluster.num_cpus or max(8, os.cpu_count() or 1)
     # our own HAProxy side ports: Ray's fixed defaults (8404, 9101, 8500) collide between fleets on one machine
-    env = effective_env(serve_env(fleet, free_ports() if uses_haproxy(fleet) else None), os.environ)
+    # (never the gateway's configured ports: the serve port is bound by the same HAProxy, later)
+    side = free_ports(frozenset({fleet.gateway.port, fleet.gateway.serve_port})) if uses_haproxy(fleet) else None
+    env = effective_env(serve_env(fleet, side), os.environ)
     return connect(None, local=LocalHead(num_cpus=cpus, env=env), **quiet)
 
 
