@@ -80,7 +80,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from lmfleet.bench.overflow_figures import (LOCAL_ONLY, Outcome, estimate_line, header_lines,  # noqa: F401
+from lmfleet.bench.overflow_figures import (LOCAL_ONLY, ORACLE_PLAN, Outcome, estimate_line, header_lines,  # noqa: F401
                                             local_model, pooled_estimate, provider_bill_usd, service_samples,
                                             summarize, table)
 from lmfleet.bench.loto import append_rows, dataset_rows
@@ -105,8 +105,6 @@ KEYS = {"admin": ADMIN, "api": ""}
 PKEY = "sk-bench-provider"
 MODEL = "smollm2"
 POLICIES = ("predictive", "hedge", "ttft_timeout", "on_error", LOCAL_ONLY)
-ORACLE_PLAN = "oracle plan"
-"""The arm that replays the oracle's spill set: those requests straight to the provider, the rest local only."""
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"
 CONTEXT_MARGIN = 64
 """Tokens of the context a replayed request leaves free: the chat template's, and words that are two tokens."""

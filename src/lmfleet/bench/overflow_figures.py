@@ -17,12 +17,15 @@ from lmfleet.overflow.estimate_error import estimate_error, percentile
 from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, oracle_spill
 from lmfleet.provenance import is_external
 
-__all__ = ["LITELLM_FALLBACK", "LOCAL_ONLY", "Outcome", "estimate_line", "local_model", "pooled_estimate",
-           "header_lines", "provider_bill_usd", "refit_oracle", "rounds_from_lines", "service_samples", "summarize",
-           "table"]
+__all__ = ["LITELLM_FALLBACK", "LOCAL_ONLY", "ORACLE_PLAN", "Outcome", "estimate_line", "local_model",
+           "pooled_estimate", "header_lines", "provider_bill_usd", "refit_oracle", "rounds_from_lines",
+           "service_samples", "summarize", "table"]
 
 LOCAL_ONLY = "local only"
 """The arm with overflow forced off: the oracle's decode rate is measured on it."""
+ORACLE_PLAN = "oracle plan"
+"""The arm that replays the oracle's spill set (spilled requests straight to the provider, the rest local only):
+below 99 % attainment the oracle's model was optimistic."""
 LITELLM_FALLBACK = "litellm_fallback"
 """The route reason of a request the LiteLLM proxy answered from its fallback (the provider)."""
 
@@ -151,7 +154,7 @@ def refit_oracle(summary: Mapping, records: list[dict]) -> dict:
         raise ValueError("the run has no local only arm")
     slots = int(summary.get("max_num_seqs") or 8)
     policies = [a for a in rounds_of if a in summary.get("results", {}) and not a.startswith("litellm")
-                and a != "oracle plan"]
+                and a != ORACLE_PLAN]
     model = local_model(rounds_of, policies, slots)
     first = {o.index: o for o in rounds_of[LOCAL_ONLY][0]}
     sent = {}

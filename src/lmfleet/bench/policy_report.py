@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmfleet.bench.overflow_figures import ORACLE_PLAN
+
 
 @dataclass(frozen=True)
 class Row:
@@ -64,10 +66,6 @@ def rows(summary: dict[str, Any]) -> list[Row]:
                        sent_twice_share=float(r.get("sent_twice_share", 0.0)),
                        estimate_p90_pct=est.get("p90_abs_error_pct_of_threshold")))
     return out
-
-
-ORACLE_PLAN = "oracle plan"
-"""The benchmark's arm that replays the oracle's spill set: below 99 % its model was optimistic."""
 
 
 def targets(trace_rows: list[Row]) -> dict[str, bool | None]:
