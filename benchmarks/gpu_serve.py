@@ -35,8 +35,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+# FlashInfer is not carried (tools/gpu_carry.sh): vLLM's sampler imports it on CUDA unless told not to.
 for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-               "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}.items():
+               "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1",
+               "VLLM_USE_FLASHINFER_SAMPLER": "0"}.items():
     os.environ[_k] = _v
 
 WORK = Path("/tmp/gpu-serve")

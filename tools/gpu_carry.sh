@@ -25,9 +25,10 @@ DEPS=(blake3 cachetools cbor2 cloudpickle diskcache==5.6.3 "fastapi>=0.133,<0.13
       "anthropic>=0.71" partial-json-parser prometheus-fastapi-instrumentator py-cpuinfo pybase64 pydantic
       python-json-logger pyzmq setproctitle "starlette>=1.0.1" uvicorn watchfiles "ray[serve]==2.60.0"
       jsonref async-timeout pyarrow typer rich httpx gguf nvidia-ml-py)
-NODEPS=(compressed-tensors==0.17.0 depyf==0.20.0 "xgrammar>=0.2.1,<1" apache-tvm-ffi==0.1.9 einops astor)
-# installed even where the image has an older one: grpcio_reflection (Ray) needs grpcio >= 1.85.1
-UPGRADE=(grpcio)
+# xgrammar 0.2.9 needs apache-tvm-ffi >= 0.1.11 (vLLM pins 0.1.9 for FlashInfer, which is not carried)
+NODEPS=(compressed-tensors==0.17.0 depyf==0.20.0 xgrammar==0.2.9 "apache-tvm-ffi>=0.1.11,<0.2" einops astor)
+# installed even where the image has an older one: grpcio_reflection (Ray) needs grpcio >= 1.85.1; xgrammar its tvm-ffi
+UPGRADE=(grpcio apache_tvm_ffi)
 
 pack() {
   local mb=${1:-58} py="${PYTHON:-$ROOT/.venv/bin/python}" work="$ROOT/.gpu/work"

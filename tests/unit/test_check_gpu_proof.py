@@ -216,3 +216,27 @@ def test_tables_match_the_recording():
         smi = RECORDED["probe"][state]["nvidia_smi"][index]
         assert (smi["used_mib"], [p["pid"] for p in smi["processes"]]) == (smi_used_mib, pids)
         assert NodeGpus.from_dict(RECORDED["probe"][state]["probe"]).gpus[index].free is free
+
+
+# ---- lmfleet serve on one H100: the planner's KV tokens against the CUDA engine's own ---------------------------
+
+SERVE = ROOT / "docs" / "benchmarks" / "gpu_serve"
+# the random-weight Llama benchmarks/gpu_serve.py builds (its LlamaConfig), as config.json has it
+LLAMA_1B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 49152, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16"}
+
+
+def test_planner_kv_tokens_within_ten_percent_of_the_engine_on_h100():
+    """docs/gpu_proof.md "lmfleet serve on one GPU": the plan `lmfleet check` made on the H100 is what the planner
+    computes now, and is within 10 % of the KV tokens vLLM reported at start (under lmfleet serve and bare)."""
+    check = json.loads((SERVE / "check_h100_2026-12-05.json").read_text())
+    start = json.loads((SERVE / "serve_h100_2026-12-05_start.json").read_text())
+    fit = next(r["data"] for r in check["results"] if r["check"] == "memory.fit")
+    assert "H100" in start["gpu"] and start["vllm_kv_tokens_bare"] == start["vllm_kv_tokens_lmfleet"]
+    [engine] = start["vllm_kv_tokens_bare"]
+    plan = planner.plan_memory(planner.arch_from_config(LLAMA_1B), dtype="bfloat16", gpu_memory_bytes=81559 * MiB,
+                               gpu_memory_utilization=0.4, max_model_len=4096, max_num_seqs=128)
+    assert plan.kv_tokens == fit["kv_tokens"]
+    assert abs(plan.kv_tokens - engine) / engine <= 0.10
