@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 import math
 import random
+from bisect import insort
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,10 @@ from lmfleet.overflow.estimate_error import percentile
 from lmfleet.overflow.estimator import estimate_wait_ms
 from lmfleet.overflow.estimators import CANDIDATES, Candidate, admission_of
 from lmfleet.overflow.margin import CAP, PRIOR, applied_margin_ms
-from lmfleet.overflow.signals import QueueSignals
+from lmfleet.overflow.signals import PREFILL_MIN_PAIRS, PREFILL_MIN_SPREAD, QueueSignals, prefill_slope
 
-__all__ = ["ALL", "Score", "append_rows", "dataset_rows", "evaluate", "loto", "read_datasets", "scores_json",
-           "synthetic_dataset", "table", "worst"]
+__all__ = ["ALL", "SLOPES", "Score", "append_rows", "dataset_rows", "evaluate", "loto", "read_datasets",
+           "scores_json", "synthetic_dataset", "table", "with_prefill_slope", "worst"]
 
 ALL = "tuned on all"
 """The ``fitted_on`` of the in-sample comparison (every trace, the held-out one included)."""
@@ -105,6 +106,60 @@ def read_datasets(paths: Sequence[Path]) -> dict[str, list[dict]]:
             if row.get("admission") is not None and row.get("realised_wait_ms") is not None:
                 by[str(row.get("trace") or path.stem)].append(row)
     return dict(by)
+
+
+def weighted_prefill_slope(samples: Sequence[tuple[float, float]]) -> float | None:
+    """An alternative to the gateway's prefill slope (:func:`lmfleet.overflow.signals.prefill_slope`), measured and
+    not shipped (docs/benchmarks.md): the median of the pairwise slopes with each pair weighted by its spread in
+    tokens, so the pairs spanning a long prompt outweigh the many close pairs of short chats. Same pairs (at least
+    ``PREFILL_MIN_SPREAD`` tokens apart, at least ``PREFILL_MIN_PAIRS``), clamped at 0."""
+    slopes = sorted(((yj - yi) / (xj - xi), abs(xj - xi)) for i, (xi, yi) in enumerate(samples)
+                    for xj, yj in samples[i + 1:] if abs(xj - xi) >= PREFILL_MIN_SPREAD)
+    if len(slopes) < PREFILL_MIN_PAIRS:
+        return None
+    half, seen = sum(w for _, w in slopes) / 2, 0.0
+    for slope, w in slopes:
+        seen += w
+        if seen >= half:
+            return max(0.0, slope)
+    return max(0.0, slopes[-1][0])
+
+
+SLOPES: dict[str, Callable[[Sequence[tuple[float, float]]], float | None] | None] = {
+    "recorded": None, "gateway": prefill_slope, "weighted": weighted_prefill_slope}
+"""The prefill slopes :func:`with_prefill_slope` replays: as recorded, the gateway's rule, and the weighted
+alternative."""
+
+PREFILL_SAMPLES, PREFILL_TTL_S = 64, 600.0  # the gateway's tracker defaults (LoadTracker)
+
+
+def with_prefill_slope(rows: Sequence[Mapping[str, Any]], slope: Callable[[Sequence[tuple[float, float]]], float | None]
+                       ) -> list[dict]:
+    """The rows of one trace as the gateway would have estimated them with another prefill ``slope`` rule: the
+    tracker's samples rebuilt from the rows themselves (every request that found a free slot: its prefill work,
+    prompt plus the work ahead of it, against its realised wait, observed when its first token came; the last 64 of
+    the last 600 s before each admission, in the order of the admissions' clock), each admission's slope recomputed
+    from them, and its estimate moved by what that changes in :func:`estimate_wait_ms`. Pure. Rows of several runs
+    of a trace may be mixed: their clocks lie apart by more than the 600 s. A replay with the rule the gateway used
+    gives back the recorded slopes, up to requests the dataset lacks (those a provider answered)."""
+    order = sorted(range(len(rows)), key=lambda i: admission_of(rows[i]).signals.now)
+    done: list[tuple[float, float, float]] = []  # (first token at, work, ttft s)
+    out: list[dict] = [dict(r) for r in rows]
+    for i in order:
+        a = admission_of(rows[i])
+        s = a.signals
+        now = s.now
+        samples = [(w, y) for t, w, y in done if now - PREFILL_TTL_S <= t <= now][-PREFILL_SAMPLES:]
+        k = slope(samples)
+        new = replace(s, prefill_s_per_token=k)
+        moved = (estimate_wait_ms(new, a.capacity, prompt_tokens=a.prompt_tokens)
+                 - estimate_wait_ms(s, a.capacity, prompt_tokens=a.prompt_tokens))
+        out[i]["admission"] = replace(a, signals=new, estimate_ms=a.estimate_ms + moved)
+        out[i]["predicted_wait_ms"] = a.estimate_ms + moved
+        if s.in_flight + 1 <= a.capacity:
+            real_s = float(rows[i]["realised_wait_ms"]) / 1000
+            insort(done, (now + real_s, a.prompt_tokens + s.pending_prefill_tokens, real_s))
+    return out
 
 
 def evaluate(name: str, trace: str, fitted_on: str, predicted: Sequence[float], rows: Sequence[Mapping]) -> Score:
