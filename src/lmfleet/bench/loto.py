@@ -27,6 +27,7 @@ import random
 from bisect import insort
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import accumulate
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ from lmfleet.overflow.estimate_error import percentile
 from lmfleet.overflow.estimator import estimate_wait_ms
 from lmfleet.overflow.estimators import CANDIDATES, Candidate, admission_of
 from lmfleet.overflow.margin import CAP, PRIOR, applied_margin_ms
-from lmfleet.overflow.signals import PREFILL_MIN_PAIRS, PREFILL_MIN_SPREAD, QueueSignals, prefill_slope
+from lmfleet.overflow.signals import (PREFILL_MIN_PAIRS, PREFILL_MIN_SPREAD, PREFILL_SAMPLES, PREFILL_TTL_S,
+                                      QueueSignals, prefill_slope)
 
 __all__ = ["ALL", "SLOPES", "Score", "append_rows", "dataset_rows", "evaluate", "loto", "read_datasets",
            "scores_json", "synthetic_dataset", "table", "with_prefill_slope", "worst"]
@@ -117,21 +119,14 @@ def weighted_prefill_slope(samples: Sequence[tuple[float, float]]) -> float | No
                     for xj, yj in samples[i + 1:] if abs(xj - xi) >= PREFILL_MIN_SPREAD)
     if len(slopes) < PREFILL_MIN_PAIRS:
         return None
-    half, seen = sum(w for _, w in slopes) / 2, 0.0
-    for slope, w in slopes:
-        seen += w
-        if seen >= half:
-            return max(0.0, slope)
-    return max(0.0, slopes[-1][0])
+    half = sum(w for _, w in slopes) / 2
+    return max(0.0, next(s for (s, _), seen in zip(slopes, accumulate(w for _, w in slopes)) if seen >= half))
 
 
 SLOPES: dict[str, Callable[[Sequence[tuple[float, float]]], float | None] | None] = {
     "recorded": None, "gateway": prefill_slope, "weighted": weighted_prefill_slope}
 """The prefill slopes :func:`with_prefill_slope` replays: as recorded, the gateway's rule, and the weighted
 alternative."""
-
-PREFILL_SAMPLES, PREFILL_TTL_S = 64, 600.0  # the gateway's tracker defaults (LoadTracker)
-
 
 def with_prefill_slope(rows: Sequence[Mapping[str, Any]], slope: Callable[[Sequence[tuple[float, float]]], float | None]
                        ) -> list[dict]:

@@ -79,12 +79,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "LoadTracker", "QueueSignals", "Ticket", "prefill_slope"]
+__all__ = ["PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "PREFILL_SAMPLES", "PREFILL_TTL_S", "LoadTracker", "QueueSignals", "Ticket", "prefill_slope"]
 
 PREFILL_MIN_SPREAD = 256
 """Tokens of prefill work two samples must differ by for their slope to count (closer pairs are noise)."""
 PREFILL_MIN_PAIRS = 3
 """Pairs that must count before the prefill slope is reported (fewer: no prefill term)."""
+PREFILL_SAMPLES = 64
+"""Unqueued requests the prefill slope is computed over (the most recent), by default."""
+PREFILL_TTL_S = 600.0
+"""Seconds a prefill sample counts, by default."""
 
 
 @dataclass(frozen=True)
@@ -189,8 +193,8 @@ class LoadTracker:
         ttft_samples: int = 256,
         engine_stats_ttl_s: float = 10.0,
         base_ttl_s: float = 60.0,
-        prefill_samples: int = 64,
-        prefill_ttl_s: float = 600.0,
+        prefill_samples: int = PREFILL_SAMPLES,
+        prefill_ttl_s: float = PREFILL_TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity < 1:
