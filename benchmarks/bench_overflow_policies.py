@@ -21,7 +21,7 @@ loop of ``max_num_seqs`` users, local only, after ``--warmup-s`` of the same loa
 trace of ``lmfleet.bench.trace`` from it (one seed for every policy), replays it once local only as a warm-up
 (not counted: a fresh CPU engine's first bursts of simultaneous prefills run several times slower), and then once
 per policy per round, alternating policies within each round (``POST /admin/overflow`` switches the policy;
-``local only`` is overflow forced off; the gateway's miss margin and prefill slope, learned from the requests kept
+``local only`` is overflow forced off; the gateway's miss margin and prefill line, learned from the requests kept
 local, carry over from one policy to the next as they would in service). Every replay sends fresh prompt text of
 the same lengths: vLLM's prefix cache would otherwise serve the long prompts from the replay before. An aiohttp
 client streams every request and records its TTFT and the gateway's headers (``x-lmfleet-served-by``,

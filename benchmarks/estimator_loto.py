@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/estimator_loto.py out/ds/*.jsonl --out out/estimator_loto
     .venv/bin/python benchmarks/estimator_loto.py --smoke --out out/estimator_loto   # a synthetic dataset
-    .venv/bin/python benchmarks/estimator_loto.py out/ds/*.jsonl --prefill-slope weighted   # another prefill slope
+    .venv/bin/python benchmarks/estimator_loto.py out/ds/*.jsonl --prefill-line gateway   # the gateway's prefill line
 
 The datasets come from replays (one file per trace or shape; a file may hold several, each row names its own)::
 
@@ -28,8 +28,8 @@ import json
 import sys
 from pathlib import Path
 
-from lmfleet.bench.loto import (SLOPES, loto, read_datasets, scores_json, synthetic_dataset, table,
-                                with_prefill_slope, worst)
+from lmfleet.bench.loto import (LINES, loto, read_datasets, scores_json, synthetic_dataset, table,
+                                with_prefill_line, worst)
 from lmfleet.overflow.estimators import CANDIDATES, admission_of
 
 
@@ -72,9 +72,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("out") / "estimator_loto")
     ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     ap.add_argument("--smoke", action="store_true", help="a synthetic dataset of three traces (not a measurement)")
-    ap.add_argument("--prefill-slope", choices=list(SLOPES), default="recorded",
-                    help="replay every estimate with this prefill slope rule (lmfleet.bench.loto.with_prefill_slope): "
-                    "'gateway' the gateway's rule, 'weighted' the alternative weighted by spread; 'recorded' as the rows have it")
+    ap.add_argument("--prefill-line", choices=list(LINES), default="recorded",
+                    help="replay every estimate with this prefill rule (lmfleet.bench.loto.with_prefill_line): "
+                    "'gateway' the gateway's prefill line; 'theil-sen' / 'weighted' a slope on the recorded base "
+                    "TTFT; 'recorded' as the rows have it. Compare replays with each other: a replay has only the "
+                    "dataset's requests")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
     if args.smoke:
@@ -88,9 +90,9 @@ def main() -> int:
             ap.error(str(e))
     if len(datasets) < 2:
         ap.error(f"leave-one-trace-out needs rows of two traces or more; found {sorted(datasets) or 'none'}")
-    if (rule := SLOPES[args.prefill_slope]) is not None:
-        datasets = {t: with_prefill_slope(rs, rule) for t, rs in datasets.items()}
-        source += f" (prefill slope replayed: {args.prefill_slope})"
+    if (rule := LINES[args.prefill_line]) is not None:
+        datasets = {t: with_prefill_line(rs, rule) for t, rs in datasets.items()}
+        source += f" (prefill rule replayed: {args.prefill_line})"
     scores = loto(datasets, [CANDIDATES[n] for n in args.candidates])
     counts = ", ".join(f"{t} {len(rs)}" for t, rs in datasets.items())
     text = (f"# Wait estimators, leave-one-trace-out\n\ndatasets: {source}\nrequests per trace: {counts}\n\n"

@@ -1,5 +1,6 @@
 """estimate_wait_ms: the queue math on synthetic signals, and tracking a simulated overloaded FIFO server."""
 
+import dataclasses
 import heapq
 import random
 import statistics
@@ -141,10 +142,10 @@ def test_estimate_tracks_real_wait_under_steady_overload(capacity, service, over
     assert statistics.median(ratios) == pytest.approx(1.0, abs=0.1)
 
 
-def psig(in_flight=0, drain=None, base=0.3, pending=0, k=None, base_work=None):
+def psig(in_flight=0, drain=None, base=0.3, pending=0, k=None, base_work=None, stale=False):
     return QueueSignals(now=0.0, in_flight=in_flight, drain_rps=drain, output_tps=None, ttft_s=None,
                         base_ttft_s=base, completions_in_window=0, pending_prefill_tokens=pending,
-                        prefill_s_per_token=k, base_prefill_tokens=base_work)
+                        prefill_s_per_token=k, base_prefill_tokens=base_work, prefill_stale=stale)
 
 
 @pytest.mark.parametrize(
@@ -168,6 +169,12 @@ def psig(in_flight=0, drain=None, base=0.3, pending=0, k=None, base_work=None):
         (psig(in_flight=4, drain=1.0, k=0.0005, base_work=100), 1100, 1800.0),
         # no base samples (no base work known): every token of work counts
         (psig(base=None, k=0.001), 200, 1200.0),
+        # a stale line (idle engine, newest sample over a minute old) at most the cold 1 s plus the work's prefill:
+        # a slow line is capped ...
+        (psig(base=5.4, stale=True), 100, 1000.0),
+        (psig(base=5.4, k=0.001, base_work=600, stale=True), 200, 1200.0),
+        # ... a fast one stands
+        (psig(base=0.3, k=0.001, base_work=100, stale=True), 200, 400.0),
     ],
 )
 def test_prefill_term(signals, prompt_tokens, expected_ms):
@@ -181,6 +188,8 @@ def test_prefill_term(signals, prompt_tokens, expected_ms):
     (sig(), 0.2, 700.0, 0.2),
     (sig(in_flight=1), 1.0, 700.0, 1.0),  # something in flight: the cold figure stands
     (sig(base=0.9), 1.0, 700.0, 1.0),  # measured: the cold figure is not used anyway
+    # a stale line (idle, newest sample over a minute old) caps at the cold figure: explored as if unmeasured
+    (dataclasses.replace(sig(base=5.0), prefill_stale=True), 1.0, 700.0, 0.35),
 ])
 def test_cold_ttft_explores_an_idle_unmeasured_engine(signals, cold_ttft_s, threshold_ms, expected):
     assert cold_ttft_for(signals, cold_ttft_s, threshold_ms) == pytest.approx(expected)

@@ -148,52 +148,59 @@ def test_dataset_rows_written_then_read_by_trace(tmp_path):
         read_datasets([tmp_path / "bad.jsonl"])
 
 
-# --- replaying another prefill slope -----------------------------------------------------------------------------
+# --- replaying another prefill rule ------------------------------------------------------------------------------
 
 def replay_rows(slope: float | None) -> list[dict]:
-    """Unqueued requests 2 s apart whose TTFT is 0.1 s + 1 ms per prompt token, recorded with ``slope``; one queued
-    request (8 in flight, a slot-full engine) whose 9 s wait is no prefill sample; and a last 2,000-token prompt."""
+    """Unqueued requests 2 s apart whose TTFT is 0.1 s + 1 ms per prompt token, recorded with ``slope`` on a base of
+    0.4 s at 150 tokens; one queued request (8 in flight, a slot-full engine) whose 9 s wait is no prefill sample;
+    and a last 2,000-token prompt."""
     out = []
-    prompts = [100, 1100, 300, 2100, 150, 1600, 120]
+    prompts = [100, 1100, 300, 2100, 150, 1600, 120, 900, 200, 1300]
     for i, p in enumerate(prompts):
         r = row(400.0, 100.0 + p, now=2.0 * i, prefill_s_per_token=slope, base_prefill_tokens=150.0)
         r["admission"]["prompt_tokens"] = p
         out.append(r)
-    out.append(row(5000.0, 9000.0, in_flight=8, now=15.0, prefill_s_per_token=slope, base_prefill_tokens=150.0))
-    last = row(400.0, 2100.0, now=30.0, prefill_s_per_token=slope, base_prefill_tokens=150.0)
+    out.append(row(5000.0, 9000.0, in_flight=8, now=21.0, prefill_s_per_token=slope, base_prefill_tokens=150.0))
+    last = row(400.0, 2100.0, in_flight=1, now=30.0, prefill_s_per_token=slope, base_prefill_tokens=150.0)
     last["admission"]["prompt_tokens"] = 2000
     return [*out, last]
 
 
-@pytest.mark.parametrize("rule", ["gateway", "weighted"])
-def test_with_prefill_slope_rebuilds_the_samples_and_moves_the_estimate(rule):
-    from lmfleet.bench.loto import SLOPES, with_prefill_slope
+@pytest.mark.parametrize("rule, want_ms", [
+    # the slope on the recorded base: 0.4 s + 1 ms per token beyond its 150 tokens
+    ("theil-sen", 400.0 + 1850.0),
+    ("weighted", 400.0 + 1850.0),
+    # the gateway's line, fitted on the samples: 0.1 s + 1 ms per token
+    ("gateway", 100.0 + 2000.0),
+])
+def test_with_prefill_line_rebuilds_the_samples_and_moves_the_estimate(rule, want_ms):
+    from lmfleet.bench.loto import LINES, REPLAY_MIN_SAMPLES, with_prefill_line
     from lmfleet.overflow.estimators import admission_of
 
     rows = replay_rows(None)
-    out = with_prefill_slope(rows, SLOPES[rule])
+    out = with_prefill_line(rows, LINES[rule])
     got = [admission_of(r).signals.prefill_s_per_token for r in out]
-    assert got[:2] == [None, None]  # no sample yet / one: no pair
+    assert got[:REPLAY_MIN_SAMPLES] == [None] * REPLAY_MIN_SAMPLES  # too few rebuilt samples: as recorded
     assert got[-1] == pytest.approx(0.001)  # the queued request's 9 s is not a sample
-    # recorded without a prefill term: the slope adds 1 ms per token of work beyond the base's 150 tokens
-    assert admission_of(out[-1]).estimate_ms == pytest.approx(400.0 + 1850.0)
+    assert admission_of(out[-1]).estimate_ms == pytest.approx(want_ms)
     assert out[-1]["predicted_wait_ms"] == admission_of(out[-1]).estimate_ms
     assert admission_of(rows[-1]).estimate_ms == 400.0  # the input rows are not changed
 
 
-def test_with_prefill_slope_as_recorded_changes_nothing():
-    from lmfleet.bench.loto import with_prefill_slope
+def test_with_prefill_line_as_recorded_changes_nothing():
+    from lmfleet.bench.loto import with_prefill_line
     from lmfleet.overflow.estimators import admission_of
 
     rows = replay_rows(0.001)
-    out = with_prefill_slope(rows, lambda samples: 0.001)
+    out = with_prefill_line(rows, lambda samples, recorded: (recorded.base_ttft_s, recorded.base_prefill_tokens,
+                                                             0.001))
     assert [admission_of(r).estimate_ms for r in out] == [admission_of(r).estimate_ms for r in rows]
 
 
 def test_weighted_slope_lets_the_pairs_spanning_a_long_prompt_decide():
     """Short chats at 0.5 ms per token and one long prompt that cost more per token: the three pairs spanning the
-    long prompt (8,100 tokens of spread) outweigh the three short ones (1,200); the gateway's plain median of the six
-    slopes lies between (0.8 ms)."""
+    long prompt (8,100 tokens of spread) outweigh the three short ones (1,200); the plain median of the six slopes
+    lies between (0.8 ms)."""
     from lmfleet.bench.loto import weighted_prefill_slope
     from lmfleet.overflow.signals import prefill_slope
 

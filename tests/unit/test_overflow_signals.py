@@ -70,12 +70,13 @@ def test_ttft_and_base_ttft(starts_ttfts, capacity, ttft, base):
     assert s.base_ttft_s == (pytest.approx(base) if base is not None else None)
 
 
-@pytest.mark.parametrize("now,ttft,base", [
-    (20.0, 0.25, 0.25),
-    (50.0, None, 0.25),   # the recent TTFT has left its 30 s window; the base TTFT lasts base_ttl_s (60 s)
-    (100.0, None, None),  # gone too: the estimator's cold default stands in
+@pytest.mark.parametrize("now,ttft,base,stale", [
+    (20.0, 0.25, 0.25, False),
+    (50.0, None, 0.25, False),   # the recent TTFT has left its 30 s window; the prefill line lasts 600 s
+    (100.0, None, 0.25, True),   # idle, newest sample over 60 s old: stale (the estimator caps it)
+    (700.0, None, None, False),  # gone too: the estimator's cold default stands in
 ])
-def test_base_ttft_outlives_the_window_but_not_base_ttl(now, ttft, base):
+def test_base_ttft_outlives_the_window_but_not_prefill_ttl(now, ttft, base, stale):
     tr = LoadTracker(capacity=1, window_s=30.0)
     tk = tr.on_start(now=0.0)
     tr.on_first_token(tk, now=0.25)
@@ -83,6 +84,7 @@ def test_base_ttft_outlives_the_window_but_not_base_ttl(now, ttft, base):
     s = tr.snapshot(now=now)
     assert s.ttft_s == ttft
     assert s.base_ttft_s == base
+    assert s.prefill_stale is stale
 
 
 def test_a_slow_base_ttft_from_a_burst_does_not_hold_an_idle_engine_above_the_threshold():
@@ -94,7 +96,11 @@ def test_a_slow_base_ttft_from_a_burst_does_not_hold_an_idle_engine_above_the_th
         tr.on_first_token(tk, now=5.4)
         tr.on_finish(tk, 10, now=6.0 + i)
     assert estimate_wait_ms(tr.snapshot(now=20.0), 8) == pytest.approx(5400)  # everything overflows, so ...
-    assert estimate_wait_ms(tr.snapshot(now=70.0), 8) == pytest.approx(1000)  # ... until the cold default returns
+    # ... until, idle for over 60 s after its newest sample, the line is stale and capped at the cold default
+    assert estimate_wait_ms(tr.snapshot(now=70.0), 8) == pytest.approx(1000)
+    held = tr.on_start(now=70.0)  # one request in flight: it will measure the engine, the line is not stale
+    assert estimate_wait_ms(tr.snapshot(now=70.0), 8) == pytest.approx(5400)
+    tr.on_finish(held, 1, now=71.0)
 
 
 def test_explicit_ttft_overrides_clock():
@@ -170,9 +176,9 @@ def test_pending_prefill_counts_prompts_until_their_first_token_or_end():
     assert tr.snapshot(now=0.7).pending_prefill_tokens == 0
 
 
-def test_prefill_slope_is_learned_from_unqueued_requests():
+def test_prefill_line_is_learned_from_unqueued_requests():
     """TTFT = 0.1 s + 0.5 ms per token of prefill work (own prompt + prompts ahead): the tracker finds 0.5 ms, and
-    the base samples' median work; a queued request's TTFT (it waited for a slot) is not a sample."""
+    the samples' median work; a queued request's TTFT (it waited for a slot) is not a sample."""
     tr = LoadTracker(capacity=2)
     t = 0.0
     for prompt in (100, 150, 2000, 120, 3000, 90, 1000, 110):
@@ -200,3 +206,64 @@ def test_a_non_streamed_request_is_not_prefill_work_ahead():
     tr.on_finish(a, 10, now=1.0)
     tr.on_finish(b, 10, now=1.1)
     assert tr.snapshot(now=1.1).pending_prefill_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "samples, base, work, slope",
+    [
+        ([], None, None, None),
+        # one sample, or every pair closer than 256 tokens: the median TTFT at the median work, no slope
+        ([(100, 0.3)], 0.3, 100, None),
+        ([(100, 0.3), (200, 0.5), (300, 0.4)], 0.4, 200, None),
+        # exactly linear, 1 ms per token: the line's TTFT at the median work (1,600 tokens)
+        ([(100, 0.2), (1100, 1.2), (2100, 2.2), (3100, 3.2)], 1.7, 1600, 0.001),
+        # two samples slowed by other work (a burst) move neither intercept nor slope
+        ([(100, 0.2), (1100, 1.2), (2100, 2.2), (3100, 3.2), (150, 4.0), (120, 3.0), (600, 0.7)], 0.7, 600, 0.001),
+        # a falling fit is clamped at 0: the median TTFT
+        ([(100, 2.0), (1100, 1.0), (2100, 0.5)], 1.0, 1100, 0.0),
+    ],
+)
+def test_prefill_line(samples, base, work, slope):
+    from lmfleet.overflow.signals import prefill_line
+    got = prefill_line(samples)
+    if base is None:
+        assert got is None
+        return
+    assert got.base_ttft_s == pytest.approx(base, abs=1e-5)
+    assert got.base_work == pytest.approx(work)
+    assert got.slope == (pytest.approx(slope, abs=1e-8) if slope is not None else None)
+
+
+def test_prefill_line_is_not_the_least_squares_line():
+    """Noisy samples whose errors are skewed (a few slow ones): least squares would lift the line toward them, the
+    least-absolute-deviations line passes through the bulk."""
+    from lmfleet.overflow.signals import prefill_line
+    samples = [(w, 0.1 + 0.0005 * w) for w in range(100, 3100, 250)] + [(300, 2.5), (2000, 4.0)]
+    got = prefill_line(samples)
+    assert got.slope == pytest.approx(0.0005, rel=0.05)
+    assert got.base_ttft_s == pytest.approx(0.1 + 0.0005 * got.base_work, abs=0.02)
+
+
+@pytest.mark.parametrize("newest_at, now, in_flight, stale", [
+    (None, 100.0, 0, False),  # no sample: nothing to be stale (the cold default stands in anyway)
+    (0.0, 60.0, 0, False),    # 60 s: not over idle_reset_s
+    (0.0, 60.5, 0, True),
+    (0.0, 500.0, 1, False),   # a request in flight will measure the engine
+])
+def test_line_is_stale(newest_at, now, in_flight, stale):
+    from lmfleet.overflow.signals import line_is_stale
+    assert line_is_stale(newest_at, now, in_flight) is stale
+
+
+def test_prefill_line_is_refitted_at_most_once_a_second():
+    tr = LoadTracker(capacity=4)
+    for i, (w, y) in enumerate([(100, 0.2), (1100, 1.2), (2100, 2.2), (3100, 3.2)]):
+        tk = tr.on_start(w, now=float(i))
+        tr.on_first_token(tk, now=i + y)
+        tr.on_finish(tk, 1, now=i + y + 0.1)
+    assert tr.snapshot(now=10.0).prefill_s_per_token == pytest.approx(0.001)
+    tk = tr.on_start(100, now=10.0)
+    tr.on_first_token(tk, now=10.3)  # 0.1 s slower than the line
+    tr.on_finish(tk, 1, now=10.4)
+    assert tr.snapshot(now=10.9).base_prefill_tokens == pytest.approx(1600)  # the fit of 10.0 still stands
+    assert tr.snapshot(now=11.5).base_prefill_tokens == pytest.approx(1100)  # refitted: five samples now

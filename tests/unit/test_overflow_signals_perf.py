@@ -11,19 +11,18 @@ import pytest
 from lmfleet.overflow.signals import LoadTracker
 
 WINDOW_S = 30.0
-BASE_TTL_S = 60.0  # LoadTracker's default base_ttl_s
 
 
 class Oracle:
-    """Recomputes every figure from the full event log (what LoadTracker did before it kept running totals)."""
+    """Recomputes the windowed figures from the full event log (what LoadTracker did before it kept running
+    totals). The prefill line has its own tests (test_overflow_signals.py)."""
 
-    def __init__(self, capacity: int, ttft_samples: int = 256, base_samples: int = 32):
-        self.capacity, self.ttft_samples, self.base_samples = capacity, ttft_samples, base_samples
+    def __init__(self, capacity: int, ttft_samples: int = 256):
+        self.capacity, self.ttft_samples = capacity, ttft_samples
         self.in_flight = 0
         self.spells: list[list[float]] = []  # [start, end]; end = inf while busy
         self.completions: list[tuple[float, int]] = []
         self.ttfts: list[tuple[float, float]] = []
-        self.base: list[tuple[float, float]] = []
 
     def start(self, t):
         if self.in_flight == 0:
@@ -31,10 +30,8 @@ class Oracle:
         self.in_flight += 1
         return self.in_flight
 
-    def first(self, t, ttft, position):
+    def first(self, t, ttft):
         self.ttfts.append((t, ttft))
-        if position <= self.capacity:
-            self.base.append((t, ttft))
 
     def finish(self, t, tokens, ok):
         self.in_flight -= 1
@@ -48,7 +45,6 @@ class Oracle:
         done = [tok for t, tok in self.completions if t >= horizon]
         busy = sum(max(0.0, min(e, now) - max(s, horizon)) for s, e in self.spells if e >= horizon)
         recent = [x for t, x in self.ttfts if t >= horizon][-self.ttft_samples:]
-        base = [x for t, x in self.base[-self.base_samples:] if t >= now - BASE_TTL_S]
         drain = len(done) / busy if len(done) >= 3 and busy > 0 else None
         return {
             "in_flight": self.in_flight,
@@ -56,7 +52,6 @@ class Oracle:
             "drain_rps": drain,
             "output_tps": sum(done) / busy if drain is not None else None,
             "ttft_s": statistics.median(recent) if recent else None,
-            "base_ttft_s": statistics.median(base) if base else None,
         }
 
 
@@ -72,13 +67,13 @@ def replay(seed: int, rate: float, duration_s: float, capacity: int, check_every
     tickets, checks = {}, 0
     for i, (t, kind, rid) in enumerate(sorted(events)):
         if kind == 0:
-            tickets[rid] = (tracker.on_start(now=t), oracle.start(t))
+            oracle.start(t)
+            tickets[rid] = tracker.on_start(now=t)
         elif kind == 1:
-            tk, pos = tickets[rid]
-            oracle.first(t, tracker.on_first_token(tk, now=t), pos)
+            oracle.first(t, tracker.on_first_token(tickets[rid], now=t))
         else:
             ok, tokens = rng.random() > 0.1, rng.randint(0, 100)
-            tracker.on_finish(tickets.pop(rid)[0], tokens, ok=ok, now=t)
+            tracker.on_finish(tickets.pop(rid), tokens, ok=ok, now=t)
             oracle.finish(t, tokens, ok)
         if i % check_every == 0:
             s, want = tracker.snapshot(now=t), oracle.figures(t)
@@ -140,7 +135,7 @@ def test_per_request_cost_does_not_grow_with_the_window():
 
 def test_sample_bounds_hold_at_traffic():
     tr, t = _loaded_tracker(30_000)
-    assert len(tr._ttfts) == 256 and len(tr._base_ttfts) == 32
+    assert len(tr._ttfts) == 256 and len(tr._prefill) == 64
 
 
 def test_bad_ttft_samples():

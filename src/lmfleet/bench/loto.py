@@ -38,10 +38,10 @@ from lmfleet.overflow.estimator import estimate_wait_ms
 from lmfleet.overflow.estimators import CANDIDATES, Candidate, admission_of
 from lmfleet.overflow.margin import CAP, PRIOR, applied_margin_ms
 from lmfleet.overflow.signals import (PREFILL_MIN_PAIRS, PREFILL_MIN_SPREAD, PREFILL_SAMPLES, PREFILL_TTL_S,
-                                      QueueSignals, prefill_slope)
+                                      QueueSignals, line_is_stale, prefill_line, prefill_slope)
 
-__all__ = ["ALL", "SLOPES", "Score", "append_rows", "dataset_rows", "evaluate", "loto", "read_datasets",
-           "scores_json", "synthetic_dataset", "table", "with_prefill_slope", "worst"]
+__all__ = ["ALL", "LINES", "Score", "append_rows", "dataset_rows", "evaluate", "loto", "read_datasets",
+           "scores_json", "synthetic_dataset", "table", "with_prefill_line", "worst"]
 
 ALL = "tuned on all"
 """The ``fitted_on`` of the in-sample comparison (every trace, the held-out one included)."""
@@ -111,8 +111,8 @@ def read_datasets(paths: Sequence[Path]) -> dict[str, list[dict]]:
 
 
 def weighted_prefill_slope(samples: Sequence[tuple[float, float]]) -> float | None:
-    """An alternative to the gateway's prefill slope (:func:`lmfleet.overflow.signals.prefill_slope`), measured and
-    not shipped (docs/benchmarks.md): the median of the pairwise slopes with each pair weighted by its spread in
+    """An alternative to the plain Theil-Sen prefill slope (:func:`lmfleet.overflow.signals.prefill_slope`),
+    measured and not shipped (docs/benchmarks.md): the median of the pairwise slopes with each pair weighted by its spread in
     tokens, so the pairs spanning a long prompt outweigh the many close pairs of short chats. Same pairs (at least
     ``PREFILL_MIN_SPREAD`` tokens apart, at least ``PREFILL_MIN_PAIRS``), clamped at 0."""
     slopes = sorted(((yj - yi) / (xj - xi), abs(xj - xi)) for i, (xi, yi) in enumerate(samples)
@@ -123,20 +123,45 @@ def weighted_prefill_slope(samples: Sequence[tuple[float, float]]) -> float | No
     return max(0.0, next(s for (s, _), seen in zip(slopes, accumulate(w for _, w in slopes)) if seen >= half))
 
 
-SLOPES: dict[str, Callable[[Sequence[tuple[float, float]]], float | None] | None] = {
-    "recorded": None, "gateway": prefill_slope, "weighted": weighted_prefill_slope}
-"""The prefill slopes :func:`with_prefill_slope` replays: as recorded, the gateway's rule, and the weighted
-alternative."""
+REPLAY_MIN_SAMPLES = 8
+"""Rebuilt samples :func:`with_prefill_line` needs before it replaces the recorded figures."""
+Line = tuple[float | None, float | None, float | None]
+"""(base TTFT s, base work tokens, slope s per token) as :class:`QueueSignals` carries them."""
+LineRule = Callable[[Sequence[tuple[float, float, float]], QueueSignals], Line]
+"""``rule(samples, recorded)``: samples ``(observed at, work, ttft s)``, oldest first; the recorded signals."""
 
-def with_prefill_slope(rows: Sequence[Mapping[str, Any]], slope: Callable[[Sequence[tuple[float, float]]], float | None]
-                       ) -> list[dict]:
-    """The rows of one trace as the gateway would have estimated them with another prefill ``slope`` rule: the
-    tracker's samples rebuilt from the rows themselves (every request that found a free slot: its prefill work,
-    prompt plus the work ahead of it, against its realised wait, observed when its first token came; the last 64 of
-    the last 600 s before each admission, in the order of the admissions' clock), each admission's slope recomputed
-    from them, and its estimate moved by what that changes in :func:`estimate_wait_ms`. Pure. Rows of several runs
-    of a trace may be mixed: their clocks lie apart by more than the 600 s. A replay with the rule the gateway used
-    gives back the recorded slopes, up to requests the dataset lacks (those a provider answered)."""
+
+def _fitted_line(samples: Sequence[tuple[float, float, float]], recorded: QueueSignals) -> Line:
+    line = prefill_line([(w, y) for _, w, y in samples])
+    return (None, None, None) if line is None else (line.base_ttft_s, line.base_work, line.slope)
+
+
+def slope_only(slope: Callable[[Sequence[tuple[float, float]]], float | None]) -> LineRule:
+    """A rule that replays only the slope, keeping the base TTFT and base work as recorded."""
+    def rule(samples: Sequence[tuple[float, float, float]], recorded: QueueSignals) -> Line:
+        return recorded.base_ttft_s, recorded.base_prefill_tokens, slope([(w, y) for _, w, y in samples])
+    return rule
+
+
+LINES: dict[str, LineRule | None] = {
+    "recorded": None, "gateway": _fitted_line, "theil-sen": slope_only(prefill_slope),
+    "weighted": slope_only(weighted_prefill_slope)}
+"""The prefill rules :func:`with_prefill_line` replays: as recorded; the gateway's prefill line
+(:func:`lmfleet.overflow.signals.prefill_line`, base and slope fitted together); and two slopes on the recorded
+base TTFT (the median TTFT of the unqueued requests of the last 60 s, before the line replaced it): the plain
+Theil-Sen slope and the one weighted by spread, both measured and not kept (docs/benchmarks.md)."""
+
+
+def with_prefill_line(rows: Sequence[Mapping[str, Any]], rule: LineRule) -> list[dict]:
+    """The rows of one trace as the gateway would have estimated them with another prefill ``rule``: the tracker's
+    samples rebuilt from the rows themselves (every request that found a free slot: its prefill work, prompt plus
+    the work ahead of it, against its realised wait, observed when its first token came; the last 64 of the last
+    600 s before each admission, in the order of the admissions' clock), each admission's base TTFT, base work and
+    slope recomputed from them, and its estimate moved by what that changes in :func:`estimate_wait_ms`. Pure.
+    Rows of several runs of a trace may be mixed: their clocks lie apart by more than the 600 s. The replay has
+    only the dataset's requests, while the gateway also had those of the run's warm-up (the capacity measurement):
+    an admission with fewer than ``REPLAY_MIN_SAMPLES`` rebuilt samples keeps its recorded figures, and replays
+    compare with each other (the gateway's rule replayed), not with the recorded figures."""
     order = sorted(range(len(rows)), key=lambda i: admission_of(rows[i]).signals.now)
     done: list[tuple[float, float, float]] = []  # (first token at, work, ttft s)
     out: list[dict] = [dict(r) for r in rows]
@@ -144,9 +169,13 @@ def with_prefill_slope(rows: Sequence[Mapping[str, Any]], slope: Callable[[Seque
         a = admission_of(rows[i])
         s = a.signals
         now = s.now
-        samples = [(w, y) for t, w, y in done if now - PREFILL_TTL_S <= t <= now][-PREFILL_SAMPLES:]
-        k = slope(samples)
-        new = replace(s, prefill_s_per_token=k)
+        samples = [d for d in done if now - PREFILL_TTL_S <= d[0] <= now][-PREFILL_SAMPLES:]
+        if len(samples) < REPLAY_MIN_SAMPLES:
+            base, work, k = s.base_ttft_s, s.base_prefill_tokens, s.prefill_s_per_token
+        else:
+            base, work, k = rule(samples, s)
+        stale = line_is_stale(samples[-1][0] if samples else None, now, s.in_flight)
+        new = replace(s, base_ttft_s=base, base_prefill_tokens=work, prefill_s_per_token=k, prefill_stale=stale)
         moved = (estimate_wait_ms(new, a.capacity, prompt_tokens=a.prompt_tokens)
                  - estimate_wait_ms(s, a.capacity, prompt_tokens=a.prompt_tokens))
         out[i]["admission"] = replace(a, signals=new, estimate_ms=a.estimate_ms + moved)

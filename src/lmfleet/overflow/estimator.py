@@ -10,17 +10,17 @@ measured drain rate ``r`` (completions per second while busy), so::
 
     wait = max(0, q) / r + base_ttft
 
-where ``base_ttft`` is the prefill time of a request that did not queue (median of recent
-unqueued TTFTs). When the engine reports its own counts, they refine the capacity: with
+where ``base_ttft`` is the prefill time of a request that does not queue (the prefill line's, below,
+:mod:`lmfleet.overflow.signals`). When the engine reports its own counts, they refine the capacity: with
 ``waiting > 0`` the engine is saturated at ``running`` sequences (KV-cache limits can hold it below
 ``max_num_seqs``), so ``C = min(C, running)``; and the queue is at least ``waiting + 1``.
 
 Prefill work
 ------------
-``base_ttft`` is the TTFT of a typical request with the typical prefill work ahead of it. A request's work is
-its prompt plus the prompts still waiting for their first token (``signals.pending_prefill_tokens``); it waits
-longer (or shorter) than ``base_ttft`` by its difference from the base samples' median work
-(``base_prefill_tokens``) times the measured prefill time per token (``prefill_s_per_token``)::
+The gateway fits a line through the TTFTs of the requests that did not queue against their prefill work: its
+TTFT ``base_ttft`` at the samples' median work (``base_prefill_tokens``) and its slope, the prefill time per token
+(``prefill_s_per_token``). A request's work is its prompt plus the prompts still waiting for their first token
+(``signals.pending_prefill_tokens``)::
 
     work = prompt_tokens + pending_prefill_tokens
     base_ttft' = max(0, base_ttft + prefill_s_per_token * (work - base_prefill_tokens))
@@ -29,6 +29,10 @@ This is what a long prompt costs, and what a request early in a burst pays for t
 before it: vLLM prefills those first, even when a slot is free. It also works the other way: after a spell of
 long prompts the base TTFT is theirs, and a short chat on the idle engine is predicted at its own, shorter
 prefill. Without a measured slope the term is 0.
+
+While the line is stale (``signals.prefill_stale``: nothing in flight and its newest sample over a minute old)
+``base_ttft'`` is at most ``cold_ttft_s + prefill_s_per_token * work``, so a line that samples slowed by something
+it does not see cannot hold an idle engine over the threshold for longer than that minute.
 
 Assumptions (and what they cost)
 --------------------------------
@@ -45,7 +49,8 @@ busy for ``cold_service_s`` per request, 10 s by default: pessimistic for chat m
 ``base_ttft`` to ``cold_ttft_s``. An idle engine then predicts ``cold_ttft_s`` (1 s, under the
 2.5 s default threshold: stay local); a queue predicts several seconds per queued slot-round.
 With a threshold under ``cold_ttft_s`` an idle engine would be predicted over it for ever: every request would go
-to a provider, and none would measure the engine. So while no TTFT is measured and nothing is in flight, a
+to a provider, and none would measure the engine. So while no TTFT is measured (or the prefill line is stale) and
+nothing is in flight, a
 ``cold_ttft_s`` above the threshold is replaced by ``EXPLORE_SHARE`` of the threshold (:func:`cold_ttft_for`): the
 next request is tried locally and measured; if the engine is slower than the threshold, the measured base TTFT
 then spills the requests after it.
@@ -122,8 +127,12 @@ def estimate_wait_ms(
     ahead = signals.in_flight - slots + 1
     if signals.engine_waiting:
         ahead = max(ahead, signals.engine_waiting + 1)
-    base_s = signals.base_ttft_s if signals.base_ttft_s is not None else cold_ttft_s
-    base_s = max(0.0, base_s + prefill_excess_s(signals, prompt_tokens))
+    if signals.base_ttft_s is None:
+        base_s = max(0.0, cold_ttft_s + prefill_excess_s(signals, prompt_tokens))
+    else:
+        base_s = max(0.0, signals.base_ttft_s + prefill_excess_s(signals, prompt_tokens))
+        if signals.prefill_stale:
+            base_s = min(base_s, cold_ttft_s + (signals.prefill_s_per_token or 0.0) * _work(signals, prompt_tokens))
     if ahead <= 0:
         return base_s * 1000.0
     drain = signals.drain_rps if signals.drain_rps else slots / cold_service_s
@@ -132,8 +141,10 @@ def estimate_wait_ms(
 
 def cold_ttft_for(signals: QueueSignals, cold_ttft_s: float, threshold_ms: float) -> float:
     """The ``cold_ttft_s`` to estimate with (module docstring): ``EXPLORE_SHARE x threshold`` when it is above the
-    threshold while no base TTFT is measured and nothing is in flight, else ``cold_ttft_s`` unchanged."""
-    if signals.base_ttft_s is None and signals.in_flight == 0 and cold_ttft_s * 1000.0 > threshold_ms:
+    threshold while no base TTFT is measured (or the prefill line is stale) and nothing is in flight, else
+    ``cold_ttft_s`` unchanged."""
+    if ((signals.base_ttft_s is None or signals.prefill_stale) and signals.in_flight == 0
+            and cold_ttft_s * 1000.0 > threshold_ms):
         return EXPLORE_SHARE * threshold_ms / 1000.0
     return cold_ttft_s
 
@@ -144,5 +155,8 @@ def prefill_excess_s(signals: QueueSignals, prompt_tokens: int) -> float:
     k = signals.prefill_s_per_token
     if not k:
         return 0.0
-    work = max(0, prompt_tokens) + signals.pending_prefill_tokens
-    return k * (work - (signals.base_prefill_tokens or 0.0))
+    return k * (_work(signals, prompt_tokens) - (signals.base_prefill_tokens or 0.0))
+
+
+def _work(signals: QueueSignals, prompt_tokens: int) -> int:
+    return max(0, prompt_tokens) + signals.pending_prefill_tokens

@@ -23,26 +23,28 @@ How the figures are measured
   With fewer than ``min_completions`` completions in the window the rate is unknown (``None``).
 * **Recent TTFT**: median of the most recent ``ttft_samples`` (256) TTFT samples of the trailing
   window -- of all of them while the window holds no more than that.
-* **Base TTFT** (prefill time without queueing): median of the last ``base_samples`` TTFTs of
-  requests that found a free slot when they started (their position, in-flight count including
-  themselves and the other gateways' last reported in-flight, was <= ``capacity``) in the last
-  ``base_ttl_s`` (60 s); with none, the estimator's cold default (``cold_ttft_s``). The limit matters
-  when the last samples were slow (taken during a burst, when a free slot still meant sharing the
-  engine with seven prefills): kept for ever, an idle engine would be predicted at that slow time, every
-  request would overflow, and none would come back to measure it again. Under sustained overload
-  no new unqueued samples arrive and the cold default stands in, beside a queue term that
-  dominates the estimate anyway.
+* **Prefill line** (the TTFT of a request that does not queue, by its prefill work): the requests that found a
+  free slot when they started (their position, in-flight count including themselves and the other gateways' last
+  reported in-flight, was <= ``capacity``) give samples of their TTFT against the prefill work they waited for
+  (their own prompt plus the work ahead of them, below). Over the last ``prefill_samples`` (64) such samples of the
+  last ``prefill_ttl_s`` (600 s), :func:`prefill_line` fits ``ttft = base_ttft + k x (work - base_work)`` by
+  least absolute deviations (a median regression, not least squares: the few samples slowed by other work, a
+  burst's decoding, do not move it), with ``base_work`` the samples' median work: ``base_ttft_s`` is the line's
+  TTFT there, ``prefill_s_per_token`` its slope ``k``. Until at least ``PREFILL_MIN_PAIRS`` pairs of samples lie
+  ``PREFILL_MIN_SPREAD`` tokens apart there is no slope (None) and ``base_ttft_s`` is the samples' median TTFT; a
+  negative slope is clamped at 0 (the same median). With no sample left, the estimator's cold default
+  (``cold_ttft_s``). The fit is recomputed at most once a second. Fitting intercept and slope together, over
+  minutes, keeps an idle engine from being predicted at a burst's slow TTFTs: those samples waited for the
+  burst's prompts, which the line puts into its slope, and a request on the idle engine waits for its own. One
+  guard remains: while nothing is in flight and the newest sample is older than ``idle_reset_s`` (60 s),
+  ``prefill_stale`` is set (:func:`line_is_stale`), and the estimator predicts the prefill at most at its cold
+  default plus the slope's cost of the work. Samples slowed by something the line does not see would otherwise
+  hold an idle engine over the threshold: every request would overflow, and none would come back to measure it
+  again.
 * **Prefill work ahead** (tokens): the prompt tokens of the local streamed requests in flight that have not had a
   first token yet (``pending_prefill_tokens``; a non-streamed request reports no first token and is left out):
   vLLM prefills them before a newer request's prompt (first come, first served, in chunks), so they delay its
   first token even when a slot is free -- early in a burst, and behind a long prompt.
-* **Prefill time per token**: Theil-Sen slope (median of pairwise slopes) of the unqueued requests' TTFT against
-  the prefill work each one waited for (its own prompt plus the work ahead of it when it started), over the
-  last ``prefill_samples`` (64) such requests of the last ``prefill_ttl_s`` (600 s); only pairs at least
-  ``PREFILL_MIN_SPREAD`` tokens apart count, and at least ``PREFILL_MIN_PAIRS`` of them (else None: no prefill
-  term). A median of slopes ignores a few samples slowed by other work (decoding, a burst) where a least-squares
-  fit would move; it is recomputed at most once a second. Beside it, ``base_prefill_tokens``: the median prefill
-  work of the base TTFT's samples (what the base TTFT already includes).
 * **Engine stats** (optional): vLLM's ``num_requests_running`` / ``num_requests_waiting`` as last
   set by :meth:`LoadTracker.set_engine_stats`; reported only while younger than ``engine_stats_ttl_s``.
 * **Other gateways** (optional, several gateway processes or nodes): their in-flight requests to
@@ -54,10 +56,11 @@ Cost per request
 ----------------
 Every call runs on the gateway's event loop once per request, so none of them walks the window:
 the completion count, token sum and busy time are running totals, updated when a sample enters
-and when it expires (each sample expires once: amortised O(1)); the medians are read by index
-from a sorted list of at most ``ttft_samples`` / ``base_samples`` values, kept beside the samples
-in arrival order (an insert or a removal is a binary search plus a memmove of at most that many
-floats). Cost per call is therefore independent of the request rate.
+and when it expires (each sample expires once: amortised O(1)); the recent TTFT is read by index
+from a sorted list of at most ``ttft_samples`` values, kept beside the samples in arrival order (an
+insert or a removal is a binary search plus a memmove of at most that many floats); the prefill line
+is refitted at most once a second over at most ``prefill_samples`` samples (about a millisecond at 64).
+Cost per call is therefore independent of the request rate.
 
 The one approximation is the recent TTFT above ``ttft_samples`` samples per window (above ~8.5
 requests/s with the default 30 s window and 256 samples): it is then the exact median of the last
@@ -79,16 +82,19 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "PREFILL_SAMPLES", "PREFILL_TTL_S", "LoadTracker", "QueueSignals", "Ticket", "prefill_slope"]
+__all__ = ["PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "PREFILL_SAMPLES", "PREFILL_TTL_S", "LoadTracker", "PrefillLine",
+           "QueueSignals", "Ticket", "line_is_stale", "prefill_line", "prefill_slope"]
 
 PREFILL_MIN_SPREAD = 256
 """Tokens of prefill work two samples must differ by for their slope to count (closer pairs are noise)."""
 PREFILL_MIN_PAIRS = 3
-"""Pairs that must count before the prefill slope is reported (fewer: no prefill term)."""
+"""Pairs that must count before the prefill line has a slope (fewer: the samples' median TTFT, no slope)."""
 PREFILL_SAMPLES = 64
-"""Unqueued requests the prefill slope is computed over (the most recent), by default."""
+"""Unqueued requests the prefill line is fitted over (the most recent), by default."""
 PREFILL_TTL_S = 600.0
 """Seconds a prefill sample counts, by default."""
+IDLE_RESET_S = 60.0
+"""Seconds after its newest sample that an idle engine's prefill line is stale, by default (:func:`line_is_stale`)."""
 
 
 @dataclass(frozen=True)
@@ -105,16 +111,19 @@ class QueueSignals:
     ttft_s: float | None
     """Median TTFT of the window's last ``ttft_samples`` samples (includes queueing); None without samples."""
     base_ttft_s: float | None
-    """Median TTFT of recent requests that did not queue (prefill time); None without samples."""
+    """TTFT of a request that does not queue, with ``base_prefill_tokens`` of prefill work (the prefill line's
+    value there); None without samples."""
     completions_in_window: int
     engine_running: int | None = None
     engine_waiting: int | None = None
     pending_prefill_tokens: int = 0
     """Prompt tokens of the local streamed requests in flight that have not had a first token yet."""
     prefill_s_per_token: float | None = None
-    """Seconds of TTFT per token of prefill work (prompt + work ahead), from unqueued requests; None: unmeasured."""
+    """Seconds of TTFT per token of prefill work (prompt + work ahead): the prefill line's slope; None: unmeasured."""
     base_prefill_tokens: float | None = None
-    """Median prefill work (prompt + work ahead) of the base TTFT's samples; None without samples."""
+    """Median prefill work (prompt + work ahead) of the prefill line's samples; None without samples."""
+    prefill_stale: bool = False
+    """Nothing in flight and the prefill line's newest sample older than ``idle_reset_s`` (:func:`line_is_stale`)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,61 @@ def prefill_slope(samples: list[tuple[float, float]], min_spread: float = PREFIL
     if len(slopes) < min_pairs:
         return None
     return max(0.0, median(slopes))
+
+
+@dataclass(frozen=True)
+class PrefillLine:
+    """``ttft = base_ttft_s + slope x (work - base_work)``, from :func:`prefill_line`."""
+
+    base_ttft_s: float
+    base_work: float
+    slope: float | None
+    """Seconds per token of prefill work; None: too little spread in work to measure one."""
+
+
+def prefill_line(samples: list[tuple[float, float]], min_spread: float = PREFILL_MIN_SPREAD,
+                 min_pairs: int = PREFILL_MIN_PAIRS, iterations: int = 30) -> PrefillLine | None:
+    """The least-absolute-deviations line through ``(prefill_tokens, ttft_s)`` samples, anchored at their median
+    work (module docstring): by iteratively reweighted least squares from the Theil-Sen line. No slope (None) and
+    the median TTFT while fewer than ``min_pairs`` pairs lie ``min_spread`` tokens apart; a negative slope is
+    clamped at 0 (the median TTFT again); None without samples. Pure; O(n^2) for the pairs."""
+    if not samples:
+        return None
+    x0 = median(x for x, _ in samples)
+    y0 = median(y for _, y in samples)
+    k = prefill_slope(samples, min_spread, min_pairs)
+    if not k:
+        return PrefillLine(y0, x0, k)
+    u = [x - x0 for x, _ in samples]
+    y = [v for _, v in samples]
+    a = median(yi - k * ui for ui, yi in zip(u, y))
+    eps = 1e-6 * max(1e-3, y0)
+    for _ in range(iterations):
+        sw = swu = swuu = swy = swuy = 0.0
+        for ui, yi in zip(u, y):
+            w = 1.0 / max(abs(yi - a - k * ui), eps)
+            sw += w
+            swu += w * ui
+            swuu += w * ui * ui
+            swy += w * yi
+            swuy += w * ui * yi
+        det = sw * swuu - swu * swu
+        if det <= 0:
+            break
+        a_new, k_new = (swuu * swy - swu * swuy) / det, (sw * swuy - swu * swy) / det
+        done = abs(a_new - a) <= 1e-6 * max(abs(a), 1e-3) and abs(k_new - k) <= 1e-6 * max(abs(k), 1e-9)
+        a, k = a_new, k_new
+        if done:
+            break
+    if k <= 0:
+        return PrefillLine(y0, x0, 0.0)
+    return PrefillLine(max(0.0, a), x0, k)
+
+
+def line_is_stale(newest_at: float | None, now: float, in_flight: int, idle_reset_s: float = IDLE_RESET_S) -> bool:
+    """Whether the prefill line is stale (module docstring): nothing in flight and the newest sample
+    (``newest_at``; None: none) older than ``idle_reset_s``. Pure."""
+    return in_flight == 0 and newest_at is not None and now - newest_at > idle_reset_s
 
 
 class _RecentMedian:
@@ -189,10 +253,9 @@ class LoadTracker:
         *,
         window_s: float = 30.0,
         min_completions: int = 3,
-        base_samples: int = 32,
         ttft_samples: int = 256,
         engine_stats_ttl_s: float = 10.0,
-        base_ttl_s: float = 60.0,
+        idle_reset_s: float = IDLE_RESET_S,
         prefill_samples: int = PREFILL_SAMPLES,
         prefill_ttl_s: float = PREFILL_TTL_S,
         clock: Callable[[], float] = time.monotonic,
@@ -207,19 +270,17 @@ class LoadTracker:
         self.window_s = window_s
         self.min_completions = max(1, min_completions)
         self.engine_stats_ttl_s = engine_stats_ttl_s
-        self.base_ttl_s = base_ttl_s
         self._clock = clock
         self._in_flight = 0
         self._completions: deque[tuple[float, int]] = deque()  # (finished_at, output_tokens)
         self._completion_tokens = 0  # sum of output_tokens over self._completions
         self._ttfts = _RecentMedian(ttft_samples)
-        self._base_ttfts = _RecentMedian(base_samples)
-        self._base_work = _RecentMedian(base_samples)  # the same samples' prefill work (prompt + work ahead)
         self.prefill_ttl_s = prefill_ttl_s
+        self.idle_reset_s = idle_reset_s
         self._prefill: deque[tuple[float, float, float]] = deque(maxlen=max(1, prefill_samples))  # (at, work, ttft)
-        self._slope: float | None = None
-        self._slope_at = float("-inf")  # when the slope was last computed (at most once a second)
-        self._slope_dirty = False
+        self._line: PrefillLine | None = None
+        self._line_at = float("-inf")  # when the line was last fitted (at most once a second)
+        self._line_dirty = False
         self._awaiting: dict[int, int] = {}  # id(ticket) -> prompt tokens, for requests without a first token yet
         self._pending_prefill = 0  # sum of self._awaiting's values
         self._busy: deque[tuple[float, float]] = deque()  # closed (start, end) spells with a request in flight
@@ -257,11 +318,8 @@ class LoadTracker:
         self._ttfts.add(t, ttft)
         self._prefilled(ticket)
         if ticket.position <= self.capacity:
-            work = ticket.prompt_tokens + ticket.pending_ahead
-            self._base_ttfts.add(t, ttft)
-            self._base_work.add(t, work)
-            self._prefill.append((t, work, ttft))
-            self._slope_dirty = True
+            self._prefill.append((t, ticket.prompt_tokens + ticket.pending_ahead, ttft))
+            self._line_dirty = True
         return ttft
 
     def on_finish(self, ticket: Ticket, output_tokens: int = 0, ok: bool = True, now: float | None = None) -> None:
@@ -315,19 +373,22 @@ class LoadTracker:
             in_flight += peer_in_flight
             if peer_drain > 0:  # the engines drain everyone's requests: the drain rate is the sum
                 drain = (drain or 0.0) + peer_drain
+        line = self._prefill_line(t)
+        newest = self._prefill[-1][0] if self._prefill else None
         return QueueSignals(
             now=t,
             in_flight=in_flight,
             drain_rps=drain,
             output_tps=tps,
             ttft_s=self._ttfts.median(),
-            base_ttft_s=self._base_ttfts.median(),
+            base_ttft_s=line.base_ttft_s if line else None,
             completions_in_window=n,
             engine_running=running,
             engine_waiting=waiting,
             pending_prefill_tokens=self._pending_prefill,
-            prefill_s_per_token=self._prefill_slope(t),
-            base_prefill_tokens=self._base_work.median(),
+            prefill_s_per_token=line.slope if line else None,
+            base_prefill_tokens=line.base_work if line else None,
+            prefill_stale=line_is_stale(newest, t, in_flight, self.idle_reset_s),
         )
 
     # -- internals -------------------------------------------------------------------------------
@@ -341,16 +402,18 @@ class LoadTracker:
         if tokens is not None:
             self._pending_prefill -= tokens
 
-    def _prefill_slope(self, now: float) -> float | None:
+    def _prefill_line(self, now: float) -> PrefillLine | None:
         samples = self._prefill
         horizon = now - self.prefill_ttl_s
         while samples and samples[0][0] < horizon:
             samples.popleft()
-            self._slope_dirty = True
-        if self._slope_dirty and now - self._slope_at >= 1.0:
-            self._slope = prefill_slope([(w, y) for _, w, y in samples])
-            self._slope_at, self._slope_dirty = now, False
-        return self._slope
+            self._line_dirty = True
+        if not samples:
+            self._line, self._line_dirty = None, False
+        elif self._line_dirty and (now - self._line_at >= 1.0 or self._line is None):
+            self._line = prefill_line([(w, y) for _, w, y in samples])
+            self._line_at, self._line_dirty = now, False
+        return self._line
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_s
@@ -358,8 +421,6 @@ class LoadTracker:
         while completions and completions[0][0] < horizon:
             self._completion_tokens -= completions.popleft()[1]
         self._ttfts.expire(horizon)
-        self._base_ttfts.expire(now - self.base_ttl_s)
-        self._base_work.expire(now - self.base_ttl_s)
         busy = self._busy
         while busy and busy[0][1] < horizon:
             start, end = busy.popleft()

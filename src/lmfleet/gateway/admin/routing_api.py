@@ -47,7 +47,7 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
                 "pending_prefill_tokens": s.pending_prefill_tokens,
                 "prefill_ms_per_1k_tokens": (round(s.prefill_s_per_token * 1e6, 1)
                                              if s.prefill_s_per_token is not None else None),
-                "base_prefill_tokens": s.base_prefill_tokens,
+                "base_prefill_tokens": s.base_prefill_tokens, "prefill_stale": s.prefill_stale,
                 "estimate_calibration": c.as_dict() if (c := gw.recorder.calibration.summary(n)) else None,
                 **routing_state(gw, n, m.app.cfg.deployment.request_router),
             }
