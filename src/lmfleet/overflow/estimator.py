@@ -127,12 +127,10 @@ def estimate_wait_ms(
     ahead = signals.in_flight - slots + 1
     if signals.engine_waiting:
         ahead = max(ahead, signals.engine_waiting + 1)
-    if signals.base_ttft_s is None:
-        base_s = max(0.0, cold_ttft_s + prefill_excess_s(signals, prompt_tokens))
-    else:
-        base_s = max(0.0, signals.base_ttft_s + prefill_excess_s(signals, prompt_tokens))
-        if signals.prefill_stale:
-            base_s = min(base_s, cold_ttft_s + (signals.prefill_s_per_token or 0.0) * _work(signals, prompt_tokens))
+    base_s = signals.base_ttft_s if signals.base_ttft_s is not None else cold_ttft_s
+    base_s = max(0.0, base_s + prefill_excess_s(signals, prompt_tokens))
+    if signals.prefill_stale and signals.base_ttft_s is not None:
+        base_s = min(base_s, cold_ttft_s + (signals.prefill_s_per_token or 0.0) * _work(signals, prompt_tokens))
     if ahead <= 0:
         return base_s * 1000.0
     drain = signals.drain_rps if signals.drain_rps else slots / cold_service_s
