@@ -16,6 +16,8 @@ from lmfleet.gateway.routing.live import LiveFleet
 from lmfleet.overflow.policies import Policy
 from lmfleet.testing.gateway_fakes import chat_json, make_gateway, started_client
 
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
+
 ADMIN = {"authorization": "Bearer adm"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -322,3 +324,63 @@ async def test_a_model_that_cannot_be_prepared_here_leaves_the_other_changes_app
     taken = await live.take_version(parse_config(data))
     assert [ch.path for ch in taken.ignored] == ["models[n]"] and "n" not in gw.models
     assert gw.models["m"].threshold_ms == 123.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_requests_waiting_in_serve_for_a_replaced_only_replica_move_to_a_provider(tmp_path, stream) -> None:
+    """The only replica is replaced (``lmfleet apply`` of an engine option): a request routed locally just before
+    waits in Serve's queue for the successor. Once Serve's status shows no replica running or finishing
+    requests, it goes to the provider at once, not into its request timeout."""
+    reached = threading.Event()  # the fake runs in a thread of its own
+
+    async def serve_queue(req: httpx.Request) -> httpx.Response:  # Serve holding the request: no replica
+        reached.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    model = {"name": "m", "source": "builtin:tiny-random",
+             "overflow": {"threshold_ms": 1000, "local_first_token_timeout_s": 60},
+             "deployment": {"replicas": 1, "max_ongoing_requests": 4, "request_timeout_s": 120}}
+    app = make_gateway(tmp_path, serve_queue, {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))},
+                       extra={"models": [model]})
+    gw = app.state.gateway
+    gw.health.app_names = {"m": "m"}
+    m = gw.models["m"]
+    c = await started_client(app)
+    sent = asyncio.ensure_future(c.post("/v1/chat/completions", json={**CHAT, "stream": stream}))
+    await asyncio.wait_for(asyncio.to_thread(reached.wait, 5), 6)
+    assert len(m.local.waiting) == 1
+    stopping = {"m": serve_status(running=0)["m"]}
+    stopping["m"].deployments["LLMServer:m"].replica_states = {"STOPPING": 1, "STARTING": 1}
+    gw.health.refresh_from(stopping)  # the old replica still finishes what it holds: the request may be on it
+    await asyncio.sleep(0.05)
+    assert not sent.done() and len(m.local.waiting) == 1
+    gw.health.refresh_from({"m": serve_status(running=0)["m"]})  # only the successor, starting
+    r = await asyncio.wait_for(sent, 5)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
+    assert r.headers["x-lmfleet-route-reason"] == "fallback_after_local_error"
+    assert len(m.local.waiting) == 0 and m.local.tracker.snapshot().in_flight == 0
+
+
+async def test_a_request_not_waiting_for_a_replica_is_left_alone(tmp_path) -> None:
+    """Without a provider after it, a local request waits for the successor (nowhere else to go)."""
+    reached, answer = threading.Event(), threading.Event()  # the fake runs in a thread of its own
+
+    async def serve_queue(req: httpx.Request) -> httpx.Response:
+        reached.set()
+        while not answer.is_set():
+            await asyncio.sleep(0.01)
+        return httpx.Response(200, json=chat_json("m"))
+
+    app = make_gateway(tmp_path, serve_queue, {})
+    gw = app.state.gateway
+    gw.health.app_names = {"m": "m"}
+    c = await started_client(app)
+    sent = asyncio.ensure_future(c.post("/v1/chat/completions", json=CHAT))
+    await asyncio.wait_for(asyncio.to_thread(reached.wait, 5), 6)
+    gw.health.refresh_from({"m": serve_status(running=0)["m"]})
+    await asyncio.sleep(0.05)
+    assert not sent.done() and len(gw.models["m"].local.waiting) == 0
+    answer.set()
+    r = await asyncio.wait_for(sent, 5)
+    assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m"

@@ -111,6 +111,24 @@ def test_model_health(app, ready, words):
     assert h.ready is ready and words in h.message
 
 
+@pytest.mark.parametrize("states,replicaless", [
+    ({"RUNNING": 1}, False),
+    ({"STARTING": 1}, True),  # the successor starting, nothing before it: a request waits in Serve's queue
+    ({"STOPPING": 1, "STARTING": 1}, False),  # the old replica finishes what it holds: a request may be on it
+    ({"RUNNING": 0, "STARTING": 2}, True),
+    ({"PENDING_MIGRATION": 1, "STARTING": 1}, False),  # on a draining node, still serving
+    ({"RECOVERING": 1}, False),
+    ({}, True),  # deploy failed, no replica at all
+])
+def test_model_health_replicaless(states, replicaless):
+    h = model_health(_app("DEPLOYING", {"LLMServer:m": ("UPDATING", states, "")}))
+    assert h.replicaless is replicaless
+
+
+def test_not_deployed_is_not_replicaless():
+    assert model_health(None).replicaless is False
+
+
 def _details(status, deployments):
     """The controller's details dict as Ray 2.60 returns it: enum members for states, replicas as dicts."""
     return {"applications": {"lmfleet-m": {"status": NS(value=status), "message": "", "deployments": {

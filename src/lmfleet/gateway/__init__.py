@@ -38,6 +38,7 @@ Where things are::
       stream.py            relay_stream(): the per-chunk relay of a streamed answer
       backend.py           Backend: the protocol the relay drives one attempt through, and its Ask
       localslot.py         LocalSlot: a request's place in the local priority queue; release() at the end
+      replicaless.py       WaitingForReplica: local attempts moved on when Serve has no replica to hold them
       response.py          RelayResponse: a streamed answer as plain ASGI sends
       disconnect.py        DisconnectWatch: a client that leaves cancels its request
       rewrite.py           the relay's slow path over SSE bytes: usage, model name, error events (pure)

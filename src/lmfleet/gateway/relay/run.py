@@ -39,6 +39,7 @@ from lmfleet.gateway.relay.backend import Ask, Backend
 from lmfleet.gateway.relay.localslot import LocalSlot, release
 from lmfleet.gateway.relay.machine import Event, Phase, may_send, transition
 from lmfleet.gateway.relay.race import CANCELLED, Race, local_error
+from lmfleet.gateway.relay.replicaless import NoReplica
 from lmfleet.gateway.relay.response import RelayResponse
 from lmfleet.gateway.relay.stream import relay_stream
 from lmfleet.gateway.relay.upstream import Endpoint, complete, open_stream
@@ -234,7 +235,11 @@ class RequestRun:
                 return (Event.LOCAL_OVER if local.expired else Event.SKIPPED), None
             ep = b.endpoint(self.req.model, has_fallback=later).within(self.remaining())
             if not race:
-                result = await call(ep) if self.span is None else await self._traced(call, ep, b, n)
+                if b is self.m.local and later:  # moves on if Serve has no replica to take it (replicaless)
+                    with self.m.local.waiting.watch():
+                        result = await call(ep) if self.span is None else await self._traced(call, ep, b, n)
+                else:
+                    result = await call(ep) if self.span is None else await self._traced(call, ep, b, n)
                 if self.reason is Reason.TTFT_TIMEOUT:
                     self.recorder.metrics.ttft_failovers.labels(self.m.name, "served").inc()
                 return Event.ANSWERED, (b, slot, result)
@@ -245,6 +250,8 @@ class RequestRun:
             self.failed(b, e, attempt_no, more=not final)
             if not e.retryable:
                 return Event.REJECTED, None
+            if isinstance(e, NoReplica):
+                return Event.LOCAL_OVER, None  # another local attempt would wait for the same missing replica
             if b is self.m.local and policy is not Policy.PREDICTIVE and later and (
                     self._after_local_error(e) is Action.SEND_PROVIDER):
                 return Event.LOCAL_OVER, None  # next_step: a local error goes straight to a provider (no local retry)

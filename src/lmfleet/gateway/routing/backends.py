@@ -25,6 +25,7 @@ from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.core.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
 from lmfleet.gateway.routing.health import HealthBoard
 from lmfleet.gateway.relay.backend import Ask, Backend
+from lmfleet.gateway.relay.replicaless import WaitingForReplica
 from lmfleet.gateway.relay.upstream import Endpoint, HttpPool
 from lmfleet.store import Reservation
 from lmfleet.overflow import CircuitBreaker, LoadTracker, LocalCostMeter, Reason, backoff_s, external_cost_usd
@@ -70,6 +71,10 @@ class LocalBackend:
         self.tracker = tracker
         self.health = health
         self.meter = meter
+        self.waiting = WaitingForReplica()
+        """Local attempts with a provider after them, awaiting their answer: moved on when Serve has no replica
+        of the model running or finishing requests (:meth:`RunningCapacity.update
+        <lmfleet.gateway.routing.live.RunningCapacity.update>`)."""
 
     def endpoint(self, model: str, *, has_fallback: bool) -> Endpoint:
         # give up on a slow local first token only when someone else can take the request; otherwise the

@@ -7,12 +7,15 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 log = logging.getLogger("lmfleet.gateway")
 
 SERVING_DEPLOYMENT_STATES = {"HEALTHY", "UPSCALING", "DOWNSCALING"}
+HOLDING_REPLICA_STATES = {"RUNNING", "STOPPING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
+"""Replica states in which a replica may hold requests (serving them, or finishing them before it stops); the
+others (STARTING, STOPPED) hold none."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,9 @@ class ModelHealth:
     running_replicas: int = 0
     degraded: bool = False
     """Serving, but some replicas are down or being replaced (e.g. a node was lost)."""
+    replicaless: bool = False
+    """Deployed, and no replica of its engine deployment holds requests (none running or finishing; successors
+    still starting): a local request with no answer yet waits in Serve's queue and has reached no engine."""
 
 
 def model_health(app_status: Any | None) -> ModelHealth:
@@ -37,6 +43,8 @@ def model_health(app_status: Any | None) -> ModelHealth:
     deployments = getattr(app_status, "deployments", {}) or {}
     llm = {n: d for n, d in deployments.items() if n.startswith("LLMServer")} or deployments
     running = sum(int((d.replica_states or {}).get("RUNNING", 0)) for d in llm.values())
+    holding = sum(int(n) for d in llm.values() for s, n in (d.replica_states or {}).items()
+                  if s in HOLDING_REPLICA_STATES)
     bad = [(n, str(getattr(d.status, "value", d.status)), d.message) for n, d in llm.items()
            if str(getattr(d.status, "value", d.status)) not in SERVING_DEPLOYMENT_STATES]
     if app_state == "RUNNING" and not bad:
@@ -44,7 +52,7 @@ def model_health(app_status: Any | None) -> ModelHealth:
     detail = "; ".join(f"{n} is {s}" + (f": {m}" if m else "") for n, s, m in bad) or f"application is {app_state}"
     if running > 0:
         return ModelHealth(True, f"degraded: {detail}"[:500], running, degraded=True)
-    return ModelHealth(False, detail[:500], running)
+    return ModelHealth(False, detail[:500], running, replicaless=bool(llm) and holding == 0)
 
 
 class HealthBoard:
@@ -80,7 +88,7 @@ class HealthBoard:
             # Serve notices a dead engine only at its next health check; a failure seen on a request
             # holds the model down until a local request succeeds again or MARK_HOLD_S passes
             if mark and h.ready and now - mark[0] < self.MARK_HOLD_S:
-                h = ModelHealth(False, mark[1], h.running_replicas)
+                h = replace(h, ready=False, message=mark[1])
             self.models[model] = h
         if self.on_refresh is not None:
             self.on_refresh()
@@ -100,7 +108,7 @@ class HealthBoard:
             return
         self._marks[model] = (time.monotonic(), message)
         cur = self.models.get(model)
-        self.models[model] = ModelHealth(False, message, cur.running_replicas if cur else 0)
+        self.models[model] = replace(cur, ready=False, message=message) if cur else ModelHealth(False, message)
 
     def note_failure(self, model: str, message: str, request: object, now: float | None = None) -> None:
         """A local 5xx on behalf of ``request`` (any object that identifies it, e.g. its task; its retries
@@ -130,7 +138,7 @@ class HealthBoard:
         if self._marks.pop(model, None) is not None:
             cur = self.models.get(model)
             if cur is not None and not cur.ready:
-                self.models[model] = ModelHealth(True, "serving", cur.running_replicas)
+                self.models[model] = replace(cur, ready=True, message="serving", degraded=False, replicaless=False)
 
     def is_ready(self, model: str) -> bool:
         h = self.models.get(model)

@@ -215,7 +215,9 @@ def serving_record(app: ModelApp, model: ModelConfig) -> ModelApp:
 class RunningCapacity:
     """Each model's capacity (``ModelApp.capacity`` and its load tracker's) follows its running replicas, as
     Serve's status reports them to ``health``, and its configuration (a new version's replicas or engine
-    options: :func:`serving_record`); call :meth:`update` after each refresh."""
+    options: :func:`serving_record`); call :meth:`update` after each refresh. A model with no replica running or
+    finishing requests (``replicaless``) moves its local requests waiting in Serve's queue to a provider
+    (:mod:`lmfleet.gateway.relay.replicaless`)."""
 
     def __init__(self, models: dict[str, ServedModel], health: HealthBoard) -> None:
         self._models = models
@@ -239,3 +241,6 @@ class RunningCapacity:
                          capacity, h.running_replicas if h is not None else 0)
                 m.app = replace(m.app, capacity=capacity)
                 m.local.tracker.capacity = capacity
+            if h is not None and h.replicaless and (moved := m.local.waiting.release()):
+                log.warning("gateway: model %s has no replica running or finishing requests: %d local requests "
+                            "waiting in Serve's queue move to a provider", name, moved)
