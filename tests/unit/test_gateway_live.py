@@ -326,8 +326,10 @@ async def test_a_model_that_cannot_be_prepared_here_leaves_the_other_changes_app
     assert gw.models["m"].threshold_ms == 123.0
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_requests_waiting_in_serve_for_a_replaced_only_replica_move_to_a_provider(tmp_path, stream) -> None:
+@pytest.mark.parametrize(("stream", "policy"), [(False, {}), (True, {}), (True, {"policy": "ttft_timeout", "ttft_timeout_ms": 50000}),
+                                             (True, {"policy": "hedge", "hedge_after_ms": 50000})])
+async def test_requests_waiting_in_serve_for_a_replaced_only_replica_move_to_a_provider(tmp_path, stream,
+                                                                                      policy) -> None:
     """The only replica is replaced (``lmfleet apply`` of an engine option): a request routed locally just before
     waits in Serve's queue for the successor. Once Serve's status shows no replica running or finishing
     requests, it goes to the provider at once, not into its request timeout."""
@@ -339,7 +341,7 @@ async def test_requests_waiting_in_serve_for_a_replaced_only_replica_move_to_a_p
         raise AssertionError("unreachable")
 
     model = {"name": "m", "source": "builtin:tiny-random",
-             "overflow": {"threshold_ms": 1000, "local_first_token_timeout_s": 60},
+             "overflow": {"threshold_ms": 1000, "local_first_token_timeout_s": 60, **policy},
              "deployment": {"replicas": 1, "max_ongoing_requests": 4, "request_timeout_s": 120}}
     app = make_gateway(tmp_path, serve_queue, {"p": lambda req: httpx.Response(200, json=chat_json("p-model"))},
                        extra={"models": [model]})
@@ -358,7 +360,8 @@ async def test_requests_waiting_in_serve_for_a_replaced_only_replica_move_to_a_p
     gw.health.refresh_from({"m": serve_status(running=0)["m"]})  # only the successor, starting
     r = await asyncio.wait_for(sent, 5)
     assert r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "provider/p"
-    assert r.headers["x-lmfleet-route-reason"] == "fallback_after_local_error"
+    if not policy:  # under ttft_timeout and hedge the race reports its own reason
+        assert r.headers["x-lmfleet-route-reason"] == "fallback_after_local_error"
     assert len(m.local.waiting) == 0 and m.local.tracker.snapshot().in_flight == 0
 
 

@@ -64,7 +64,7 @@ class Race(Generic[T]):
         metrics = run.recorder.metrics
         hedgers = run.hedgers()
         state = AttemptState(local_dispatched_at=run.t0)  # the timer counts from the request's arrival
-        local: asyncio.Task = asyncio.create_task(self.call(self.ep))
+        local: asyncio.Task = asyncio.create_task(self._local_call())
         hedge: asyncio.Task | None = None
         hb: Backend | None = None
         hslot: Any = None
@@ -157,6 +157,12 @@ class Race(Generic[T]):
             if not self.local_over:
                 run.abandon(b, slot)
             raise
+
+    async def _local_call(self) -> T:
+        """The local attempt, moved on (:class:`~lmfleet.gateway.relay.replicaless.NoReplica`, a local error) when
+        Serve has no replica to hold it (:mod:`~lmfleet.gateway.relay.replicaless`)."""
+        with self.run.m.local.waiting.watch():
+            return await self.call(self.ep)
 
     async def _start_hedge(self, hedgers: list[Backend]) -> tuple[asyncio.Task | None, Backend | None, Any]:
         """Send the request to the first provider that takes it (breaker, in-flight cap, budget and the tenant's
