@@ -88,7 +88,7 @@ class HealthBoard:
             # Serve notices a dead engine only at its next health check; a failure seen on a request
             # holds the model down until a local request succeeds again or MARK_HOLD_S passes
             if mark and h.ready and now - mark[0] < self.MARK_HOLD_S:
-                h = replace(h, ready=False, message=mark[1])
+                h = replace(h, ready=False, message=mark[1], degraded=False)
             self.models[model] = h
         if self.on_refresh is not None:
             self.on_refresh()
@@ -108,7 +108,8 @@ class HealthBoard:
             return
         self._marks[model] = (time.monotonic(), message)
         cur = self.models.get(model)
-        self.models[model] = replace(cur, ready=False, message=message) if cur else ModelHealth(False, message)
+        self.models[model] = (replace(cur, ready=False, message=message, degraded=False) if cur
+                              else ModelHealth(False, message))
 
     def note_failure(self, model: str, message: str, request: object, now: float | None = None) -> None:
         """A local 5xx on behalf of ``request`` (any object that identifies it, e.g. its task; its retries
