@@ -18,6 +18,7 @@ local queue slot is :class:`~lmfleet.gateway.relay.localslot.LocalSlot`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -235,10 +236,8 @@ class RequestRun:
                 return (Event.LOCAL_OVER if local.expired else Event.SKIPPED), None
             ep = b.endpoint(self.req.model, has_fallback=later).within(self.remaining())
             if not race:
-                if b is self.m.local and later:  # moves on if Serve has no replica to take it (replicaless)
-                    with self.m.local.waiting.watch():
-                        result = await call(ep) if self.span is None else await self._traced(call, ep, b, n)
-                else:
+                # with a provider after it, a local attempt moves on if Serve has no replica to take it (replicaless)
+                with self.m.local.waiting.watch() if b is self.m.local and later else contextlib.nullcontext():
                     result = await call(ep) if self.span is None else await self._traced(call, ep, b, n)
                 if self.reason is Reason.TTFT_TIMEOUT:
                     self.recorder.metrics.ttft_failovers.labels(self.m.name, "served").inc()
