@@ -38,11 +38,12 @@ gateway's TTFT of the local answer), read through ``/admin/usage?estimate=1`` ov
 figures ``lmfleet usage --estimate`` prints (:mod:`lmfleet.overflow.estimate_error`) -- and over all rounds of the
 policy, from the client's side (the ``x-lmfleet-queue-estimate-ms`` header against the client's TTFT).
 
-The oracle (:mod:`lmfleet.overflow.oracle`): the local service model -- its prefill line fitted on the local
-answers of every policy's rounds that did not queue (``max_num_seqs`` earlier local answers still streaming, or
-one still before its first token, as it was sent), its decode rate on the ``local only`` runs -- then
-the cheapest spill set that meets the SLO on the same trace: its spend is the bound a policy's is compared to.
-The model is a queue of ``max_num_seqs`` slots with no interference between requests: it can be wrong both ways,
+The oracle (:mod:`lmfleet.overflow.oracle`): the local service model -- ``max_num_seqs`` slots, prompts
+prefilled one after another, its prefill line fitted by least squares on the local answers of every policy's rounds
+that did not queue (``max_num_seqs`` earlier local answers still streaming, or one still before its first token, as
+it was sent), its decode rate on the ``local only`` runs -- then the cheapest spill set that meets the SLO on the
+same trace: its spend is the bound a policy's is compared to. The model has no other interference between
+requests (decode speed does not depend on the load): it can be wrong both ways,
 so the ``oracle plan`` arm checks it on the engine. It replays the trace with the spill set of the model fitted on
 round 1 sent straight to the provider and the rest through the gateway, local only (last in round 1,
 first in round 2; with ``--url``, only when ``--provider-url`` is given, its key from ``BENCH_PROVIDER_KEY``).
@@ -210,7 +211,7 @@ def main() -> None:
                     "--litellm and the oracle plan arm")
     args = ap.parse_args()
     if args.smoke:
-        args.duration, args.rounds = 8, 1
+        args.duration, args.rounds = 5, 1
     if args.litellm_timeouts_ms is None:
         args.litellm_timeouts_ms = [args.threshold_ms, round(0.6 * args.threshold_ms)]
     try:  # before the fleet starts: a wrong --trace or a missing LiteLLM fails in a second, not after minutes

@@ -39,6 +39,9 @@ def routed(tmp_path_factory):
         "models": [{
             "name": "tiny", "source": "builtin:tiny-random",
             "engine": {"max_model_len": 1024, "cpu_kvcache_space_gib": 1, "max_num_seqs": 8,
+                       # eager: no torch.compile warm-up (a shorter start); float32: eager bfloat16 kernels can die of
+                       # SIGILL on CPUs with AMX
+                       "enforce_eager": True, "dtype": "float32",
                        "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}},
             "deployment": {"replicas": 2, "max_ongoing_requests": 16, "request_timeout_s": 60,
                            "request_router": "prefix_aware", "prefix_aware": {"imbalance_threshold": 2}},

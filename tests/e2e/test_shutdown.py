@@ -51,7 +51,9 @@ def test_serve_proxy_switch_serves_through_serves_http_proxy(tmp_path):
     cfg = {"gateway": {"port": port, "serve_port": sport, "serve_proxy": "serve", "admin_key_env": None},
            "ledger": {"path": str(tmp_path / "ledger.sqlite")},
            "models": [{"name": "tiny", "source": "builtin:tiny-random",
-                       "engine": {"max_model_len": 1024, "cpu_kvcache_space_gib": 1}}]}
+                       "engine": {"max_model_len": 1024, "cpu_kvcache_space_gib": 1,
+                                  # a shorter start; float32: eager bfloat16 kernels can die of SIGILL on AMX CPUs
+                                  "enforce_eager": True, "dtype": "float32"}}]}
     config_path = tmp_path / "fleet.yaml"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     log = tmp_path / "serve.log"

@@ -185,6 +185,8 @@ def make_gateway(tmp_path, local: Handler, providers: dict[str, Handler | str] |
     # the local model's base URL is <serve_url>/m/v1
     app = build_gateway(fleet, [model], serve_url=fake_backend(local), environ=environ,
                         load_tokenizer=lambda _: CountingTokenizer())
+    # a fake local deployment fails at once: its retries need not wait as long as a real replica's restart
+    app.state.gateway.models["m"].local.retry_backoff_s = (0.01, 0.05)
     if not ready:
         app.state.gateway.health.mark_failed("m", "engine is dead")
     return app

@@ -60,6 +60,8 @@ class LocalBackend:
 
     fallback_reason = Reason.FALLBACK_AFTER_LOCAL_ERROR
     needs_exact_prompt = False
+    retry_backoff_s: tuple[float, float] = (0.5, 4.0)
+    """(first, largest) wait before another local attempt of one request; it doubles per attempt."""
 
     def __init__(self, cfg: ModelConfig, base_url: str, client: HttpPool, tracker: LoadTracker,
                  health: HealthBoard, meter: LocalCostMeter):
@@ -119,7 +121,8 @@ class LocalBackend:
         return 4 if last else 2
 
     def backoff_s(self, k: int, last_error: UpstreamError | None) -> float:
-        return min(0.5 * 2 ** (k - 1), 4.0)
+        first, cap = self.retry_backoff_s
+        return min(first * 2 ** (k - 1), cap)
 
     def charge(self, input_tokens: int, output_tokens: int) -> float:
         self.meter.record(output_tokens)
