@@ -11,7 +11,9 @@ SLO attainment against provider dollars, one point per arm, the oracle's dollars
 ``--refit-oracle``: where a run's ``outcomes.jsonl`` lies beside its summary (or ``NAME.outcomes.jsonl.gz`` beside
 ``NAME.json``, as under docs/benchmarks), its oracle is fitted again with the
 benchmark's current local model (:func:`lmfleet.bench.overflow_figures.refit_oracle`), so runs recorded with an
-older fit compare on the same footing; the report lists each run's oracle before and after.
+older fit compare on the same footing; the report lists each run's oracle before and after, and where the run has an
+``oracle plan`` arm, per round how many of its locally answered requests missed the SLO against how many the refitted
+model predicts to miss (:func:`lmfleet.bench.overflow_figures.plan_misses`).
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ def main() -> None:
                 o = s["oracle"]
                 refits.append(f"- {label}: oracle ${before or 0:.5f} -> ${o['spend_usd']:.5f} (spills "
                               f"{o['spilled']} of {o['of']} per round; local model {o['model']})")
+                if o.get("plan_check"):
+                    refits.append("  oracle plan, requests answered locally that missed the SLO / the refitted model "
+                                  "predicts to miss: " + "; ".join(f"round {c['round']}: {c['missed']} / "
+                                                                   f"{c['predicted']} of {c['local']}"
+                                                                   for c in o["plan_check"]))
         if (credit := attribution(s)) is not None:
             credits.add(credit)
         for r in rows(s):

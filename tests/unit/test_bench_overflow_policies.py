@@ -210,5 +210,10 @@ def test_refit_oracle_from_a_saved_run():
     assert o["model"]["decode_s_per_token"] == pytest.approx(0.1)
     assert (o["spilled"], o["of"], o["refit"]) == (1, 3, True)
     assert o["spend_usd"] == pytest.approx((100 * 1.0 + 5 * 2.0) / 1e6)
+    assert "plan_check" not in o
+    # an oracle plan arm: the first request spilled; the last one missed the SLO, which the model does not predict
+    plan = [(100, 0.0, 0.3, "provider/x"), (300, 0.05, 0.4, "local/m"), (200, 10.0, 1.2, "local/m")]
+    checked = refit_oracle(summary, recs + _records("oracle plan", 1, plan))
+    assert checked["plan_check"] == [{"round": 1, "local": 2, "missed": 1, "predicted": 0}]
     with pytest.raises(ValueError, match="no local only arm"):
         refit_oracle(summary, _records("predictive", 1, local))

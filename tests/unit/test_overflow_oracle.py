@@ -1,4 +1,5 @@
-"""The oracle on tiny traces whose cheapest spill set is known by hand, and the greedy against the exact search."""
+"""The oracle on tiny traces whose cheapest spill set is known by hand, the serial-prefill model, the greedy against
+the exact search, and the least-squares fit."""
 
 from __future__ import annotations
 
@@ -43,8 +44,11 @@ class Req:
     (ONE_SLOT, [Req(0.0, 100, 100), Req(0.01, 100, 10)], (1,)),
     # A (110 tokens) holds the slot for 1.01 s; B (220 tokens) would wait: spilling A is cheaper
     (ONE_SLOT, [Req(0.0, 10, 100), Req(0.01, 200, 20)], (0,)),
-    # two slots: A and B run side by side, C waits for the first to finish (0.2 s) and still makes it
+    # two slots: B's prompt waits for A's (TTFT 0.2 s), C waits for A's slot (0.2 s) and still makes it
     (TWO_SLOTS, [Req(0.0, 100, 10), Req(0.0, 100, 100), Req(0.05, 100, 10)], ()),
+    # two slots, two long prompts at once: the second's prefill queues behind the first's (TTFT 0.6 s), so the
+    # cheaper one is spilled though a slot is free for it
+    (TWO_SLOTS, [Req(0.0, 300, 10), Req(0.0, 300, 5)], (1,)),
     # two slots, both busy for 1.1 s: the third one is the cheapest to spill
     (TWO_SLOTS, [Req(0.0, 100, 100), Req(0.0, 100, 100), Req(0.05, 100, 10)], (2,)),
     # an idle gap between requests: nobody waits
@@ -94,6 +98,38 @@ def test_the_benchmarks_trace_is_feasible_and_the_swap_pass_pays():
     assert 0 < len(got.spilled) < len(trace)
     assert max(kept_ttfts_s(trace, kept, model)) <= 2.5
     assert got.spend_nusd < oracle_spill(trace, model, 2500.0, PRICE, swap_pass=False).spend_nusd
+
+
+@pytest.mark.parametrize("model, trace, ttfts", [
+    # three slots, three prompts at once: they prefill one after another (0.1 s each), and each first token comes
+    # the base (0.2 s) after its own prompt is done -- the base holds up no other prompt
+    (LocalServiceModel(3, 0.2, 0.001, 0.01), [Req(0.0, 100, 10)] * 3, [0.3, 0.4, 0.5]),
+    # two slots: C (at 0.05 s) waits for A's slot (free at 0.4 s), then its own 50 tokens and the base
+    (LocalServiceModel(2, 0.2, 0.001, 0.01), [Req(0.0, 100, 10), Req(0.0, 100, 10), Req(0.05, 50, 10)],
+     [0.3, 0.4, 0.6]),
+    # one slot: the slot, not the prefill, holds B back (A's slot frees at 0.1 + 0.05 + 10 * 0.01 = 0.25 s)
+    (LocalServiceModel(1, 0.05, 0.001, 0.01), [Req(0.0, 100, 10), Req(0.1, 100, 10)], [0.15, 0.3]),
+    # the prefill idle again by the time the next one comes: no wait
+    (LocalServiceModel(2, 0.0, 0.001, 0.5), [Req(0.0, 100, 10), Req(0.2, 100, 10)], [0.1, 0.1]),
+])
+def test_kept_ttfts_by_hand(model, trace, ttfts):
+    assert kept_ttfts_s(trace, range(len(trace)), model) == pytest.approx(ttfts)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_removing_a_request_never_delays_another(seed):
+    # the search's premise (module docstring): every slot and the prefill free no later without it
+    rng = random.Random(seed)
+    model = LocalServiceModel(slots=rng.choice([1, 2, 4]), prefill_base_s=rng.choice([0.0, 0.1]),
+                              prefill_s_per_token=0.001, decode_s_per_token=0.01)
+    t, trace = 0.0, []
+    for _ in range(30):
+        t += rng.expovariate(5.0)
+        trace.append(Req(t, rng.choice([20, 200, 800]), rng.choice([5, 40, 120])))
+    every = kept_ttfts_s(trace, range(len(trace)), model)
+    gone = rng.randrange(len(trace))
+    less = kept_ttfts_s(trace, [i for i in range(len(trace)) if i != gone], model)
+    assert all(x <= y + 1e-12 for x, y in zip(less, every[:gone] + every[gone + 1:]))
 
 
 def test_fit_from_a_local_only_run():

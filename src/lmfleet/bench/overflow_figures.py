@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass
 
 from lmfleet.config.models import ProviderPrice
 from lmfleet.overflow.estimate_error import estimate_error, percentile
-from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, oracle_spill
+from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, kept_ttfts_s, oracle_spill
 from lmfleet.provenance import is_external
 
 __all__ = ["LITELLM_FALLBACK", "LOCAL_ONLY", "ORACLE_PLAN", "Outcome", "estimate_line", "local_model",
-           "pooled_estimate", "header_lines", "provider_bill_usd", "refit_oracle", "rounds_from_lines",
+           "plan_misses", "pooled_estimate", "header_lines", "provider_bill_usd", "refit_oracle", "rounds_from_lines",
            "service_samples", "summarize", "table"]
 
 LOCAL_ONLY = "local only"
@@ -144,11 +144,25 @@ class _Traced:
     output_tokens: int
 
 
+def plan_misses(rounds: list[list[Outcome]], model: LocalServiceModel, slo_s: float) -> list[dict]:
+    """Per round of the ``oracle plan`` arm: its local answers, how many missed the SLO, and how many ``model``
+    predicts to miss (those requests alone on the modelled replica, at their send times and lengths)."""
+    out = []
+    for n, res in enumerate(rounds, 1):
+        local = [o for o in res if o.ok and not o.external]
+        trace = [_Traced(o.sent_s, o.prompt_tokens, o.output_tokens) for o in local]
+        predicted = kept_ttfts_s(trace, range(len(trace)), model)
+        missed = sum(o.ttft_s > slo_s for o in local)  # type: ignore[operator]
+        out.append({"round": n, "local": len(local), "missed": missed, "predicted": sum(t > slo_s for t in predicted)})
+    return out
+
+
 def refit_oracle(summary: Mapping, records: list[dict]) -> dict:
     """A saved run's oracle fitted again with :func:`local_model` from its ``outcomes.jsonl`` records: the trace is
     each request's earliest send time and the ``local only`` arm's token counts (the engine's, chat template
     included), priced at the summary's ``price`` (the benchmark's default, 0.5 / 1.5 $ per 1M, when it has none).
-    Raises ValueError when the run has no ``local only`` arm or too few samples."""
+    With an ``oracle plan`` arm, ``plan_check`` checks the refitted model on it (:func:`plan_misses`). Raises ValueError
+    when the run has no ``local only`` arm or too few samples."""
     rounds_of = rounds_from_lines(records)
     if not rounds_of.get(LOCAL_ONLY):
         raise ValueError("the run has no local only arm")
@@ -165,8 +179,11 @@ def refit_oracle(summary: Mapping, records: list[dict]) -> dict:
     trace = [_Traced(sent[i], first[i].prompt_tokens, first[i].output_tokens) for i in sorted(first)]
     price = ProviderPrice(**(summary.get("price") or {"input_per_1m": 0.5, "output_per_1m": 1.5}))
     res = oracle_spill(trace, model, float(summary["threshold_ms"]), price)
-    return {"model": asdict(model), "spilled": len(res.spilled), "of": len(trace),
-            "spend_usd": res.spend_nusd / 1e9 * int(summary.get("rounds") or 1), "refit": True}
+    out = {"model": asdict(model), "spilled": len(res.spilled), "of": len(trace),
+           "spend_usd": res.spend_nusd / 1e9 * int(summary.get("rounds") or 1), "refit": True}
+    if rounds_of.get(ORACLE_PLAN):
+        out["plan_check"] = plan_misses(rounds_of[ORACLE_PLAN], model, float(summary["threshold_ms"]) / 1000.0)
+    return out
 
 
 def table(results: dict[str, dict], oracle_usd: float | None) -> str:

@@ -4,37 +4,46 @@ An offline bound for the benchmark, not an online policy: it sees the whole trac
 request's length) in advance, which no router can. A policy's spend divided by the oracle's says how much the
 lack of foresight (and the estimate's errors) cost.
 
-The local model (:class:`LocalServiceModel`, measured in the benchmark's ``local only`` run)
-------------------------------------------------------------------------------------------
+The local model (:class:`LocalServiceModel`, fitted on the benchmark's measured local answers)
+---------------------------------------------------------------------------------------------
 * One replica runs at most ``slots`` requests at once (its effective batch: ``max_num_seqs``, or fewer when
   the KV cache holds it lower); further requests wait, first come first served, for the first slot to free.
-* A request holds its slot for its service time ``prefill_s + output_tokens * decode_s_per_token``, where
-  ``prefill_s = prefill_base_s + prompt_tokens * prefill_s_per_token`` is its TTFT had it not queued.
-  The coefficients are fitted on measured requests (:meth:`LocalServiceModel.fit`): the prefill line by least
+* Prefill is serial: a request's prompt is processed once it has a slot and every earlier request's prompt is
+  done, at ``prefill_s_per_token`` per prompt token (a vLLM engine's chunked prefill shares one token budget per
+  step, so simultaneous prompts queue behind each other). Its first token comes ``prefill_base_s`` after its
+  prompt is done (that part holds up no other prompt), and its slot frees ``output_tokens * decode_s_per_token``
+  after that. Per request, in arrival order::
+
+      start = max(arrival, first slot free, previous prompt done)
+      prompt done = start + prompt_tokens * prefill_s_per_token
+      TTFT = prompt done + prefill_base_s - arrival;  slot frees at TTFT + arrival + output_tokens * decode_s_per_token
+
+  On an idle replica a request's TTFT is ``prefill_s = prefill_base_s + prompt_tokens * prefill_s_per_token``.
+  A kept request meets the SLO when its TTFT is ``<= slo_s``.
+* The coefficients are fitted on measured requests (:meth:`LocalServiceModel.fit`): the prefill line by least
   squares on (prompt tokens, TTFT) of local answers that did not queue -- no free slot, or another request still
   before its first token, when they arrived (the benchmark takes them from every policy's rounds: an overloaded
   ``local only`` run has few, each round counted on its own) -- and the decode rate as the median time per output
   token after the first, under the ``local only`` run's load.
-* A kept request's TTFT is ``start - arrival + prefill_s``; it meets the SLO when that is ``<= slo_s``.
 * A spilled request costs the provider's price for its prompt and output tokens (nano-dollars) and uses no
   local slot; the provider is assumed to meet the SLO (its TTFT is the benchmark's to report).
 
-Assumptions: service times do not depend on how many requests share the replica (decode is measured at the
-``local only`` run's load, so a lightly loaded stretch of the trace is served slower than it would be, and a
-heavier one faster); no prefix-cache hits beyond those in the measured run; one replica (``slots`` covers
-several replicas only as one pooled queue).
+Assumptions: decode does not depend on how many requests share the replica (it is measured at the ``local only``
+run's load, so a lightly loaded stretch of the trace is served slower than it would be, and a heavier one faster),
+nor does a prompt's prefill slow the decode beside it; no prefix-cache hits beyond those in the measured run; one
+replica (``slots`` covers several replicas only as one pooled queue).
 
 The search
 ----------
-Removing a request from a first-come-first-served queue never delays another (every slot frees no later),
-so a spill only helps the requests kept. :func:`oracle_spill` walks the trace in arrival order, keeps each
-request that meets the SLO behind those kept so far, and when one would miss it spills the cheapest of: the
-request itself, or one earlier kept request still in the replica (queued or running) when it arrives whose
-removal lets it meet the SLO. A second pass then spills a kept request wherever that lets spilled requests
-worth more come back (the greedy's commonest mistake: keeping one long request that pushes several cheaper
-ones out; on the tests' five-minute bursty trace it cut the spend by 12 %). The result is feasible, so its spend is
-an upper bound on the cheapest; on traces of up to :data:`EXACT_LIMIT` requests :func:`exact_spill` tries every
-subset and returns the true minimum (the tests compare the two).
+Removing a request from the first-come-first-served queue never delays another: every slot, and the time the
+prefill is free, are no later without it. So a spill only helps the requests kept. :func:`oracle_spill` walks
+the trace in arrival order, keeps each request that meets the SLO behind those kept so far, and when one would
+miss it spills the cheapest of: the request itself, or one earlier kept request still in the replica (queued or
+running) when it arrives whose removal lets it meet the SLO. A second pass then spills a kept request wherever that
+lets spilled requests worth more come back (the greedy's commonest mistake: keeping one long request that pushes
+several cheaper ones out). The result is feasible, so its spend is an upper bound on the cheapest; on traces of up
+to :data:`EXACT_LIMIT` requests :func:`exact_spill` tries every subset and returns the true minimum (the tests
+compare the two).
 """
 
 from __future__ import annotations
@@ -108,9 +117,11 @@ class LocalServiceModel:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
     def prefill_s(self, r: TracedRequest) -> float:
+        """Its TTFT on an idle replica."""
         return self.prefill_base_s + r.prompt_tokens * self.prefill_s_per_token
 
     def service_s(self, r: TracedRequest) -> float:
+        """How long it holds its slot, from its start."""
         return self.prefill_s(r) + r.output_tokens * self.decode_s_per_token
 
     @classmethod
@@ -148,16 +159,34 @@ def spill_cost_nusd(r: TracedRequest, price: ProviderPrice) -> int:
     return usd_to_nusd(external_cost_usd(r.prompt_tokens, r.output_tokens, price))
 
 
+_State = tuple[list[float], float]
+"""The replica before a request starts: its slots' free times (a heap) and when the prefill is next free."""
+
+
+def _empty(model: LocalServiceModel) -> _State:
+    return [float("-inf")] * model.slots, float("-inf")
+
+
+def _admit(free: list[float], prefill_free: float, r: TracedRequest,
+           model: LocalServiceModel) -> tuple[float, float, float]:
+    """Start ``r`` on the replica (module docstring): takes its slot from ``free`` and gives it back with the time it
+    frees (in place). Returns its TTFT, when the prefill is next free, and when its slot frees."""
+    start = max(r.arrival_s, heapq.heappop(free), prefill_free)
+    prefill_free = start + r.prompt_tokens * model.prefill_s_per_token
+    first = prefill_free + model.prefill_base_s
+    end = first + r.output_tokens * model.decode_s_per_token
+    heapq.heappush(free, end)
+    return first - r.arrival_s, prefill_free, end
+
+
 def kept_ttfts_s(trace: Sequence[TracedRequest], kept: Sequence[int], model: LocalServiceModel) -> list[float]:
     """TTFT of each kept request (trace indices, in arrival order) on the modelled replica."""
     order = sorted(kept, key=lambda i: (trace[i].arrival_s, i))
-    free = [float("-inf")] * model.slots
+    free, prefill_free = _empty(model)
     out = []
     for i in order:
-        r = trace[i]
-        start = max(r.arrival_s, heapq.heappop(free))
-        heapq.heappush(free, start + model.service_s(r))
-        out.append(start - r.arrival_s + model.prefill_s(r))
+        ttft, prefill_free, _ = _admit(free, prefill_free, trace[i], model)
+        out.append(ttft)
     return out
 
 
@@ -172,38 +201,40 @@ def oracle_spill(trace: Sequence[TracedRequest], model: LocalServiceModel, slo_m
     slo_s = slo_ms / 1000.0
     order = sorted(range(len(trace)), key=lambda i: (trace[i].arrival_s, i))
     cost = [spill_cost_nusd(r, price) for r in trace]
-    # Per kept request, in order: the slot heap before it started, and when its slot frees.
+    # Per kept request, in order: the replica before it started, and when its slot frees; and the replica after
+    # the last one.
     kept: list[int] = []
-    heaps: list[list[float]] = []
+    states: list[_State] = []
     ends: list[float] = []
+    after: _State = _empty(model)
     spilled: list[int] = []
 
-    def replay(from_pos: int, ids: list[int]) -> tuple[list[list[float]], list[float], float | None]:
-        """Simulate ``ids`` from the state before kept position ``from_pos``; the last one's TTFT."""
-        free = list(heaps[from_pos]) if from_pos < len(heaps) else _heap_after(heaps, ends, model)
-        hs, es, ttft = [], [], None
+    def replay(from_pos: int, ids: list[int]) -> tuple[list[_State], list[float], float | None, _State]:
+        """Simulate ``ids`` from the replica before kept position ``from_pos``: their states and slot ends, the
+        last one's TTFT, and the replica after them."""
+        free, prefill_free = states[from_pos] if from_pos < len(states) else after
+        free = list(free)
+        ss, es, ttft = [], [], None
         for i in ids:
-            r = trace[i]
-            hs.append(list(free))
-            start = max(r.arrival_s, heapq.heappop(free))
-            es.append(start + model.service_s(r))
-            heapq.heappush(free, es[-1])
-            ttft = start - r.arrival_s + model.prefill_s(r)
-        return hs, es, ttft
+            ss.append((list(free), prefill_free))
+            ttft, prefill_free, end = _admit(free, prefill_free, trace[i], model)
+            es.append(end)
+        return ss, es, ttft, (free, prefill_free)
 
     for i in order:
-        hs, es, ttft = replay(len(kept), [i])
+        ss, es, ttft, last = replay(len(kept), [i])
         if ttft is not None and ttft <= slo_s:
             kept.append(i)
-            heaps.extend(hs)
+            states.extend(ss)
             ends.extend(es)
+            after = last
             continue
         best_pos, best_cost = None, cost[i]
         arrival = trace[i].arrival_s
         for pos in range(len(kept) - 1, -1, -1):
             if cost[kept[pos]] >= best_cost or ends[pos] <= arrival:
                 continue  # dearer than spilling i, or no longer in the replica when i arrives (not searched)
-            _, _, t = replay(pos, kept[pos + 1:] + [i])
+            _, _, t, _ = replay(pos, kept[pos + 1:] + [i])
             if t is not None and t <= slo_s:
                 best_pos, best_cost = pos, cost[kept[pos]]
         if best_pos is None:
@@ -211,9 +242,9 @@ def oracle_spill(trace: Sequence[TracedRequest], model: LocalServiceModel, slo_m
             continue
         spilled.append(kept[best_pos])
         rest = kept[best_pos + 1:] + [i]
-        hs, es, _ = replay(best_pos, rest)
+        ss, es, _, after = replay(best_pos, rest)
         kept[best_pos:] = rest
-        heaps[best_pos:] = hs
+        states[best_pos:] = ss
         ends[best_pos:] = es
     if swap_pass:
         kept, spilled = _swap_pass(trace, model, slo_s, cost, kept, spilled)
@@ -227,15 +258,16 @@ def _swap_pass(trace: Sequence[TracedRequest], model: LocalServiceModel, slo_s: 
     The greedy decides at each miss without seeing later ones; this repairs its commonest mistake, keeping
     one long request that then pushes several cheaper ones out. The candidates to bring back arrive while the
     spilled request's slot time (plus the SLO) would have run. Each check simulates from the kept request's
-    position only until every slot frees no later than in the current run (:func:`_feasible_from`)."""
+    position only until the replica frees no later than in the current run (:func:`_feasible_from`)."""
     arrival = [r.arrival_s for r in trace]
     spilled_sorted = sorted(spilled, key=lambda i: (arrival[i], i))
-    heaps, position = _heaps(trace, model, kept)
+    states, position = _states(trace, model, kept)
     for j in sorted(kept, key=lambda i: (-cost[i], i)):
         pos = position.get(j)
         if pos is None:
             continue
-        free_end = heaps[pos][0] + model.service_s(trace[j]) + slo_s  # j's slot time, and the SLO after it
+        start = max(states[pos][0][0], states[pos][1])
+        free_end = start + model.service_s(trace[j]) + slo_s  # j's slot time, and the SLO after it
         lo = bisect.bisect_left(spilled_sorted, (arrival[j], j), key=lambda i: (arrival[i], i))
         hi = bisect.bisect_right(spilled_sorted, (free_end, len(trace)), key=lambda i: (arrival[i], i))
         window = spilled_sorted[lo:hi]
@@ -243,63 +275,53 @@ def _swap_pass(trace: Sequence[TracedRequest], model: LocalServiceModel, slo_s: 
             continue
         back: list[int] = []  # in arrival order, as the window is
         for c in window:
-            if _feasible_from(trace, model, slo_s, kept, heaps, position, pos, {j}, [*back, c]):
+            if _feasible_from(trace, model, slo_s, kept, states, position, pos, {j}, [*back, c]):
                 back.append(c)
         if sum(cost[i] for i in back) > cost[j]:
             kept = sorted([i for i in kept if i != j] + back, key=lambda i: (arrival[i], i))
             spilled = [i for i in spilled if i not in back] + [j]
             spilled_sorted = sorted(spilled, key=lambda i: (arrival[i], i))
-            heaps, position = _heaps(trace, model, kept)
+            states, position = _states(trace, model, kept)
     return kept, spilled
 
 
-def _heaps(trace: Sequence[TracedRequest], model: LocalServiceModel,
-           kept: list[int]) -> tuple[list[list[float]], dict[int, int]]:
-    """Before each kept request starts: its slots' free times, sorted and floored at its arrival; and each
-    kept request's position."""
-    free = [float("-inf")] * model.slots
-    slots = []
+def _states(trace: Sequence[TracedRequest], model: LocalServiceModel,
+            kept: list[int]) -> tuple[list[_State], dict[int, int]]:
+    """Before each kept request starts: its slots' free times, sorted, and when the prefill is next free, all
+    floored at its arrival; and each kept request's position."""
+    free, prefill_free = _empty(model)
+    out: list[_State] = []
     for i in kept:
         a = trace[i].arrival_s
-        slots.append(sorted(max(v, a) for v in free))
-        start = max(a, heapq.heappop(free))
-        heapq.heappush(free, start + model.service_s(trace[i]))
-    return slots, {i: k for k, i in enumerate(kept)}
+        out.append((sorted(max(v, a) for v in free), max(prefill_free, a)))
+        _, prefill_free, _ = _admit(free, prefill_free, trace[i], model)
+    return out, {i: k for k, i in enumerate(kept)}
 
 
 def _feasible_from(trace: Sequence[TracedRequest], model: LocalServiceModel, slo_s: float, kept: list[int],
-                   heaps: list[list[float]], position: dict[int, int], pos: int, removed: set[int],
+                   states: list[_State], position: dict[int, int], pos: int, removed: set[int],
                    added: list[int]) -> bool:
     """Whether ``kept`` less ``removed`` plus ``added`` (all at or after ``kept[pos]``) meets the SLO.
 
     Requests before ``pos`` are unchanged. Simulation stops at the first unchanged request after the last
-    change whose slots (sorted free times, floored at its arrival) each free no later than in the current run:
-    from there on every request starts no later than it does now, and the current run meets the SLO.
+    change whose slots (sorted free times) each free no later, and whose prefill is free no later, than in the
+    current run (all floored at its arrival): from there on every request starts no later than it does now, and
+    the current run meets the SLO.
     """
     last_change = max([trace[i].arrival_s for i in added] + [trace[kept[pos]].arrival_s])
     rest = (kept[k] for k in range(pos, len(kept)) if kept[k] not in removed)
     key = lambda i: (trace[i].arrival_s, i)  # noqa: E731
-    free = list(heaps[pos])
+    free, prefill_free = list(states[pos][0]), states[pos][1]
     for i in heapq.merge(rest, added, key=key):
         a = trace[i].arrival_s
         k = position.get(i)
-        if k is not None and a > last_change and all(
-                x <= y for x, y in zip(sorted(max(v, a) for v in free), heaps[k])):
-            return True  # every slot frees no later than in the current, feasible run: so does every start
-        start = max(a, heapq.heappop(free))
-        if start - a + model.prefill_s(trace[i]) > slo_s:
+        if k is not None and a > last_change and max(prefill_free, a) <= states[k][1] and all(
+                x <= y for x, y in zip(sorted(max(v, a) for v in free), states[k][0])):
+            return True  # the replica frees no later than in the current, feasible run: so does every start
+        ttft, prefill_free, _ = _admit(free, prefill_free, trace[i], model)
+        if ttft > slo_s:
             return False
-        heapq.heappush(free, start + model.service_s(trace[i]))
     return True
-
-
-def _heap_after(heaps: list[list[float]], ends: list[float], model: LocalServiceModel) -> list[float]:
-    """The slot heap after the last kept request started (or the empty replica's)."""
-    if not heaps:
-        return [float("-inf")] * model.slots
-    free = list(heaps[-1])
-    heapq.heapreplace(free, ends[-1])
-    return free
 
 
 def exact_spill(trace: Sequence[TracedRequest], model: LocalServiceModel, slo_ms: float,
