@@ -172,11 +172,10 @@ def _admit(free: list[float], prefill_free: float, r: TracedRequest,
     """Start ``r`` on the replica (module docstring): takes its slot from ``free`` and gives it back with the time it
     frees (in place). Returns its TTFT, when the prefill is next free, and when its slot frees."""
     start = max(r.arrival_s, heapq.heappop(free), prefill_free)
-    prefill_free = start + r.prompt_tokens * model.prefill_s_per_token
-    first = prefill_free + model.prefill_base_s
-    end = first + r.output_tokens * model.decode_s_per_token
+    end = start + model.service_s(r)
     heapq.heappush(free, end)
-    return first - r.arrival_s, prefill_free, end
+    # only the per-token part holds up the next prompt; the base follows it
+    return start + model.prefill_s(r) - r.arrival_s, start + r.prompt_tokens * model.prefill_s_per_token, end
 
 
 def kept_ttfts_s(trace: Sequence[TracedRequest], kept: Sequence[int], model: LocalServiceModel) -> list[float]:
