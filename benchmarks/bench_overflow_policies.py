@@ -39,7 +39,7 @@ figures ``lmfleet usage --estimate`` prints (:mod:`lmfleet.overflow.estimate_err
 policy, from the client's side (the ``x-lmfleet-queue-estimate-ms`` header against the client's TTFT).
 
 The oracle (:mod:`lmfleet.overflow.oracle`): the local service model -- ``max_num_seqs`` slots, prompts
-prefilled one after another, its prefill line fitted by least squares on the local answers of every policy's rounds
+prefilled one after another, its prefill line fitted by least absolute deviations on the local answers of every policy's rounds
 that did not queue (``max_num_seqs`` earlier local answers still streaming, or one still before its first token, as
 it was sent), its decode rate on the ``local only`` runs -- then the cheapest spill set that meets the SLO on the
 same trace: its spend is the bound a policy's is compared to. The model has no other interference between
@@ -173,6 +173,9 @@ def main() -> None:
                     help="the fleet's overflow.miss_quantile (the miss margin's quantile; docs/overflow.md); "
                     "none: no margin")
     ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engine's token budget per step (engine.max_num_batched_tokens), to replay with your "
+                    "fleet's; default: vLLM's (2048 on CPU)")
     ap.add_argument("--capacity-rps", type=float, default=None, help="skip the capacity measurement")
     ap.add_argument("--outside-nice", type=int, default=-10,
                     help="scheduling priority (autogroup nice, -20..19) of this client and the fake provider, which "
@@ -247,6 +250,7 @@ def main() -> None:
         return
     pport, gport, sport = free_port(), free_port(), free_port()
     fleet = out / "fleet.yaml"
+    batched = f", max_num_batched_tokens: {args.max_num_batched_tokens}" if args.max_num_batched_tokens else ""
     fleet.write_text(f"""gateway: {{port: {gport}, serve_port: {sport}, admin_key_env: BENCH_ADMIN}}
 ledger: {{path: {out / 'ledger.sqlite'}}}
 providers:
@@ -258,7 +262,7 @@ providers:
 models:
   - name: {MODEL}
     source: builtin:smollm2
-    engine: {{max_model_len: {args.max_model_len}, cpu_kvcache_space_gib: 1, max_num_seqs: {args.max_num_seqs}}}
+    engine: {{max_model_len: {args.max_model_len}, cpu_kvcache_space_gib: 1, max_num_seqs: {args.max_num_seqs}{batched}}}
     deployment: {{max_ongoing_requests: {args.max_num_seqs}, request_timeout_s: 600}}
     cost: {{node_hour_usd: 0.10}}
     overflow: {{threshold_ms: {args.threshold_ms}, miss_quantile: {json.dumps(args.miss_quantile)}}}
@@ -450,8 +454,8 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
     print("\n" + "\n".join(header_lines(info)))
     print(f"\nthreshold {args.threshold_ms:.0f} ms, hedge_after {args.hedge_after_ms:.0f} ms, ttft_timeout "
           f"{args.ttft_timeout_ms:.0f} ms, miss_quantile {args.miss_quantile}, {args.rounds} round(s), "
-          f"provider $ {args.price_in}/{args.price_out} "
-          "per 1M in/out\n")
+          f"provider $ {args.price_in}/{args.price_out} per 1M in/out, engine max_num_seqs {args.max_num_seqs}, "
+          f"max_num_batched_tokens {args.max_num_batched_tokens or 'vLLM default'}\n")
     print(table(results, oracle["spend_usd"] if oracle else None))
     for name, ep in litellm.items():
         print(f"{name}: the real LiteLLM proxy (stream_timeout {ep.model.rsplit('-', 1)[-1]}, fallbacks to the "
@@ -484,7 +488,8 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
                "threshold_ms": args.threshold_ms, "hedge_after_ms": args.hedge_after_ms,
                "ttft_timeout_ms": args.ttft_timeout_ms, "miss_quantile": args.miss_quantile, "rounds": args.rounds,
                "price": {"input_per_1m": args.price_in, "output_per_1m": args.price_out},
-               "max_num_seqs": args.max_num_seqs, "results": results,
+               "max_num_seqs": args.max_num_seqs,
+               "max_num_batched_tokens": args.max_num_batched_tokens, "results": results,
                "outside_nice": args.outside_nice, "oracle": oracle, "estimate": estimates,
                "estimate_pooled_client": pooled,
                "litellm": {name: {"model": ep.model, "url": ep.url} for name, ep in litellm.items()} or None}

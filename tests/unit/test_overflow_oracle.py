@@ -165,3 +165,14 @@ def test_model_checks():
         LocalServiceModel(0, 0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="decode_s_per_token=-1"):
         LocalServiceModel(1, 0.0, 0.0, -1.0)
+
+
+def test_fit_is_not_pulled_by_a_slowed_answer():
+    # four answers on the line 0.05 s + 1 ms/token, and a short prompt slowed by 2 s (a burst's prompts joined its
+    # engine step): least squares would flatten the slope and lift the base; least absolute deviations does not
+    on_line = [ServiceSample(n, 11, ttft_s=0.05 + n * 0.001, e2e_s=0.25 + n * 0.001, queued=False)
+               for n in (100, 300, 500, 700)]
+    slowed = ServiceSample(120, 11, ttft_s=2.2, e2e_s=2.4, queued=False)
+    m = LocalServiceModel.fit([*on_line, slowed], slots=4)
+    assert m.prefill_s_per_token == pytest.approx(0.001, rel=0.01)
+    assert m.prefill_base_s == pytest.approx(0.05, abs=0.005)

@@ -21,7 +21,10 @@ The local model (:class:`LocalServiceModel`, fitted on the benchmark's measured 
   On an idle replica a request's TTFT is ``prefill_s = prefill_base_s + prompt_tokens * prefill_s_per_token``.
   A kept request meets the SLO when its TTFT is ``<= slo_s``.
 * The coefficients are fitted on measured requests (:meth:`LocalServiceModel.fit`): the prefill line by least
-  squares on (prompt tokens, TTFT) of local answers that did not queue -- no free slot, or another request still
+  absolute deviations (the gateway's fit, :func:`lmfleet.overflow.signals.prefill_line`: the few answers slowed by
+  other work -- prompts that joined their engine step after them, a burst's decoding -- do not pull it, as they would
+  a least-squares line, toward a flat slope and a high base) on (prompt tokens, TTFT) of local answers that did not
+  queue -- no free slot, or another request still
   before its first token, when they arrived (the benchmark takes them from every policy's rounds: an overloaded
   ``local only`` run has few, each round counted on its own) -- and the decode rate as the median time per output
   token after the first, under the ``local only`` run's load.
@@ -59,6 +62,7 @@ from typing import Protocol
 from lmfleet.config.models import ProviderPrice
 from lmfleet.overflow.cost import external_cost_usd
 from lmfleet.overflow.money import usd_to_nusd
+from lmfleet.overflow.signals import prefill_line
 
 __all__ = [
     "EXACT_LIMIT",
@@ -135,8 +139,9 @@ class LocalServiceModel:
         if len(set(xs)) < 2:
             raise ValueError(f"fitting the prefill line needs unqueued requests of at least two prompt lengths; "
                              f"got {len(unqueued)} unqueued, prompt lengths {sorted(set(xs))}")
-        ys = [s.ttft_s for s in unqueued]
-        slope, base = statistics.linear_regression(xs, ys)
+        line = prefill_line(list(zip(xs, (s.ttft_s for s in unqueued))), min_spread=1, min_pairs=1)
+        slope = (line.slope or 0.0) if line else 0.0  # line: never None with samples
+        base = (line.base_ttft_s - slope * line.base_work) if line else 0.0
         per_token = [(s.e2e_s - s.ttft_s) / (s.output_tokens - 1)
                      for s in (samples if decode_samples is None else decode_samples) if s.output_tokens > 1]
         if not per_token:
