@@ -39,9 +39,9 @@ figures ``lmfleet usage --estimate`` prints (:mod:`lmfleet.overflow.estimate_err
 policy, from the client's side (the ``x-lmfleet-queue-estimate-ms`` header against the client's TTFT).
 
 The oracle (:mod:`lmfleet.overflow.oracle`): the local service model -- ``max_num_seqs`` slots, prompts
-prefilled one after another, its prefill line fitted by least absolute deviations on the local answers of every policy's rounds
-that did not queue (``max_num_seqs`` earlier local answers still streaming, or one still before its first token, as
-it was sent), its decode rate on the ``local only`` runs -- then the cheapest spill set that meets the SLO on the
+prefilled one after another, its prefill line fitted by least absolute deviations on the local answers of every
+policy's rounds that did not queue (``max_num_seqs`` earlier local answers still streaming, or one still before its
+first token, as it was sent), its decode rate on the ``local only`` runs -- then the cheapest spill set that meets the SLO on the
 same trace: its spend is the bound a policy's is compared to. The model has no other interference between
 requests (decode speed does not depend on the load): it can be wrong both ways,
 so the ``oracle plan`` arm checks it on the engine. It replays the trace with the spill set of the model fitted on

@@ -140,8 +140,9 @@ class LocalServiceModel:
             raise ValueError(f"fitting the prefill line needs unqueued requests of at least two prompt lengths; "
                              f"got {len(unqueued)} unqueued, prompt lengths {sorted(set(xs))}")
         line = prefill_line(list(zip(xs, (s.ttft_s for s in unqueued))), min_spread=1, min_pairs=1)
-        slope = (line.slope or 0.0) if line else 0.0  # line: never None with samples
-        base = (line.base_ttft_s - slope * line.base_work) if line else 0.0
+        assert line is not None  # None only without samples
+        slope = line.slope or 0.0
+        base = line.base_ttft_s - slope * line.base_work
         per_token = [(s.e2e_s - s.ttft_s) / (s.output_tokens - 1)
                      for s in (samples if decode_samples is None else decode_samples) if s.output_tokens > 1]
         if not per_token:
