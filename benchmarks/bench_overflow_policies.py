@@ -22,7 +22,9 @@ trace of ``lmfleet.bench.trace`` from it (one seed for every policy), replays it
 (not counted: a fresh CPU engine's first bursts of simultaneous prefills run several times slower), and then once
 per policy per round, alternating policies within each round (``POST /admin/overflow`` switches the policy;
 ``local only`` is overflow forced off; the gateway's miss margin and prefill line, learned from the requests kept
-local, carry over from one policy to the next as they would in service). Every replay sends fresh prompt text of
+local, carry over from one policy to the next as they would in service; ``--policies "predictive gated"`` adds an arm
+of predictive with ``overflow.prefill_gate`` on, docs/overflow.md, every other arm running with it off). Every
+replay sends fresh prompt text of
 the same lengths: vLLM's prefix cache would otherwise serve the long prompts from the replay before. An aiohttp
 client streams every request and records its TTFT and the gateway's headers (``x-lmfleet-served-by``,
 ``-route-reason``, ``-hedged``, ``-queue-estimate-ms``); spend comes from the ledger (``/admin/usage`` over the
@@ -106,6 +108,8 @@ KEYS = {"admin": ADMIN, "api": ""}
 PKEY = "sk-bench-provider"
 MODEL = "smollm2"
 POLICIES = ("predictive", "hedge", "ttft_timeout", "on_error", LOCAL_ONLY)
+GATED = "predictive gated"
+"""predictive with ``overflow.prefill_gate`` on (an arm on request: the others run with the gate off)."""
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"
 CONTEXT_MARGIN = 64
 """Tokens of the context a replayed request leaves free: the chat template's, and words that are two tokens."""
@@ -122,10 +126,11 @@ def admin(url: str, method: str, path: str, body: dict | None = None) -> dict:
 
 def set_policy(url: str, name: str, threshold_ms: float, hedge_after_ms: float, timeout_ms: float) -> None:
     if name == LOCAL_ONLY:
-        admin(url, "POST", "/admin/overflow", {"model": MODEL, "mode": "force_off"})
+        admin(url, "POST", "/admin/overflow", {"model": MODEL, "mode": "force_off", "prefill_gate": False})
         return
     admin(url, "POST", "/admin/overflow", {"model": MODEL, "mode": "auto", "threshold_ms": threshold_ms,
-                                           "policy": name, "hedge_after_ms": hedge_after_ms,
+                                           "policy": "predictive" if name == GATED else name,
+                                           "prefill_gate": name == GATED, "hedge_after_ms": hedge_after_ms,
                                            "ttft_timeout_ms": timeout_ms})
 
 
@@ -185,7 +190,8 @@ def main() -> None:
                     help="seconds of closed-loop load before the capacity is measured (not counted)")
     ap.add_argument("--price-in", type=float, default=0.5, help="provider $/1M prompt tokens")
     ap.add_argument("--price-out", type=float, default=1.5, help="provider $/1M output tokens")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=(*POLICIES, GATED),
+                    help=f"the arms ({GATED!r}: predictive with overflow.prefill_gate on; the others run with it off)")
     ap.add_argument("--smoke", action="store_true", help="a few seconds of trace, one round: the harness works")
     ap.add_argument("--dataset-out", type=Path, help="JSON lines: the requests kept local, for estimator_loto.py")
     ap.add_argument("--url", default=None, help="use this running fleet (one started with --serve-only)")
@@ -246,7 +252,8 @@ def main() -> None:
                 proxy.stop()
             admin(args.url, "POST", "/admin/overflow", {"model": MODEL, "mode": before["mode"],
                                                         "threshold_ms": before["threshold_ms"],
-                                                        "policy": "predictive"})
+                                                        "policy": "predictive",
+                                                        "prefill_gate": before.get("prefill_gate") is not None})
         return
     pport, gport, sport = free_port(), free_port(), free_port()
     fleet = out / "fleet.yaml"

@@ -13,7 +13,9 @@ SLO attainment against provider dollars, one point per arm, the oracle's dollars
 benchmark's current local model (:func:`lmfleet.bench.overflow_figures.refit_oracle`), so runs recorded with an
 older fit compare on the same footing; the report lists each run's oracle before and after, and where the run has an
 ``oracle plan`` arm, per round how many of its locally answered requests missed the SLO against how many the refitted
-model predicts to miss (:func:`lmfleet.bench.overflow_figures.plan_misses`).
+model predicts to miss (:func:`lmfleet.bench.overflow_figures.plan_misses`), and the lower bound on the oracle's spend
+(:mod:`lmfleet.overflow.bound`: the cheapest spill set on an engine relaxed to prefill alone, at the fastest rate
+the run measured), with each arm's spend over it in the table's ``× bound $`` column.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ def main() -> None:
                 o = s["oracle"]
                 refits.append(f"- {label}: oracle ${before or 0:.5f} -> ${o['spend_usd']:.5f} (spills "
                               f"{o['spilled']} of {o['of']} per round; local model {o['model']})")
+                if o.get("bound"):
+                    refits.append(f"  lower bound on the oracle's spend ${o['bound']['spend_usd']:.5f} (the engine "
+                                  f"at its demonstrated {o['bound']['rate_tps']:.0f} prompt tokens/s)")
                 if o.get("plan_check"):
                     refits.append("  oracle plan, requests answered locally that missed the SLO / the refitted model "
                                   "predicts to miss: " + "; ".join(f"round {c['round']}: {c['missed']} / "

@@ -211,6 +211,9 @@ def test_refit_oracle_from_a_saved_run():
     assert (o["spilled"], o["of"], o["refit"]) == (1, 3, True)
     assert o["spend_usd"] == pytest.approx((100 * 1.0 + 5 * 2.0) / 1e6)
     assert "plan_check" not in o
+    # the lower bound: the engine prefilled 400 tokens in the 0.45 s to the second first token (889 tokens/s), at
+    # which every request fits the 1 s SLO: nothing need be spilled
+    assert o["bound"] == {"rate_tps": pytest.approx(888.9), "spend_usd": 0.0}
     # an oracle plan arm: the first request spilled; the last one missed the SLO, which the model does not predict
     plan = [(100, 0.0, 0.3, "provider/x"), (300, 0.05, 0.4, "local/m"), (200, 10.0, 1.2, "local/m")]
     checked = refit_oracle(summary, recs + _records("oracle plan", 1, plan))

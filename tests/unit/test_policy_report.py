@@ -9,8 +9,8 @@ from lmfleet.bench.policy_report import Row, attribution, markdown, rows, target
 
 
 def row(arm: str, att: float, spend: float = 0.01, x: float | None = 1.0, errors: int = 0, twice: float = 0.0,
-        est: float | None = 10.0) -> Row:
-    return Row("t", arm, 10, att, 1, 2, 3, errors, spend, x, twice, est)
+        est: float | None = 10.0, xb: float | None = None) -> Row:
+    return Row("t", arm, 10, att, 1, 2, 3, errors, spend, x, twice, est, xb)
 
 
 GOOD = [row("predictive", 0.995), row("hedge", 1.0, twice=0.1), row("litellm 2500ms", 0.5, spend=0.02)]
@@ -27,6 +27,11 @@ GOOD = [row("predictive", 0.995), row("hedge", 1.0, twice=0.1), row("litellm 250
     ([row("predictive", 1.0, x=None)], "predictive <= 1.3x oracle", None),
     ([row("predictive", 1.0, x=1.31), row("oracle plan", 0.99)], "predictive <= 1.3x oracle", False),
     ([row("predictive", 1.0, x=4.5), row("oracle plan", 0.135)], "predictive <= 1.3x oracle", None),  # the oracle's $ is no bound
+    # within 1.3x the lower bound on the oracle's spend: met, whatever the oracle's model or its plan
+    ([row("predictive", 1.0, x=1.1, xb=1.2), row("oracle plan", 0.8)], "predictive <= 1.3x oracle", True),
+    ([row("predictive", 1.0, x=1.4, xb=1.3)], "predictive <= 1.3x oracle", True),
+    ([row("predictive", 1.0, x=1.1, xb=1.5), row("oracle plan", 0.8)], "predictive <= 1.3x oracle", None),
+    ([row("predictive", 1.0, x=1.1, xb=1.5)], "predictive <= 1.3x oracle", True),  # the model's reference
     (GOOD, "hedge >= 99.5 %", True),
     ([row("hedge", 0.994)], "hedge >= 99.5 %", False),
     (GOOD, "estimate P90 error <= 25 % (predictive)", True),

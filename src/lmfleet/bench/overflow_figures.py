@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from lmfleet.config.models import ProviderPrice
+from lmfleet.overflow.bound import bound_spill_nusd, demonstrated_rate
 from lmfleet.overflow.estimate_error import estimate_error, percentile
-from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, kept_ttfts_s, oracle_spill
+from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, kept_ttfts_s, oracle_spill, spill_cost_nusd
 from lmfleet.provenance import is_external
 
-__all__ = ["LITELLM_FALLBACK", "LOCAL_ONLY", "ORACLE_PLAN", "Outcome", "estimate_line", "local_model",
+__all__ = ["LITELLM_FALLBACK", "LOCAL_ONLY", "ORACLE_PLAN", "Outcome", "RATE_ARMS", "spend_bound", "estimate_line", "local_model",
            "plan_misses", "pooled_estimate", "header_lines", "provider_bill_usd", "refit_oracle", "rounds_from_lines",
            "service_samples", "summarize", "table"]
 
@@ -157,12 +158,30 @@ def plan_misses(rounds: list[list[Outcome]], model: LocalServiceModel, slo_s: fl
     return out
 
 
+RATE_ARMS = ("predictive", "predictive gated", "on_error", LOCAL_ONLY, ORACLE_PLAN)
+"""The arms whose local answers are every prompt that reached the engine (no hedge or timeout cancelled one after
+it started): :func:`spend_bound` measures the engine's prefill rate on their rounds."""
+
+
+def spend_bound(rounds_of: Mapping[str, list[list[Outcome]]], trace: list, price: ProviderPrice,
+                slo_s: float) -> dict:
+    """The lower bound on the oracle's spend per round (:mod:`lmfleet.overflow.bound`): the engine's demonstrated
+    prefill rate on the :data:`RATE_ARMS` rounds, and the relaxed engine's cheapest spill set on ``trace``.
+    Raises ValueError when those rounds have no local answer."""
+    answered = [[(_Traced(o.sent_s, o.prompt_tokens, o.output_tokens), o.ttft_s) for o in res
+                 if o.ok and not o.external] for arm in RATE_ARMS for res in rounds_of.get(arm, [])]
+    rate = demonstrated_rate(answered)
+    spend = bound_spill_nusd(trace, rate, slo_s, [spill_cost_nusd(r, price) for r in trace])
+    return {"rate_tps": rate, "spend_nusd": spend}
+
+
 def refit_oracle(summary: Mapping, records: list[dict]) -> dict:
     """A saved run's oracle fitted again with :func:`local_model` from its ``outcomes.jsonl`` records: the trace is
     each request's earliest send time and the ``local only`` arm's token counts (the engine's, chat template
     included), priced at the summary's ``price`` (the benchmark's default, 0.5 / 1.5 $ per 1M, when it has none).
-    With an ``oracle plan`` arm, ``plan_check`` checks the refitted model on it (:func:`plan_misses`). Raises ValueError
-    when the run has no ``local only`` arm or too few samples."""
+    With an ``oracle plan`` arm, ``plan_check`` checks the refitted model on it (:func:`plan_misses`); ``bound`` is the
+    lower bound on the oracle's spend (:func:`spend_bound`, dollars over every round), when the run measured one.
+    Raises ValueError when the run has no ``local only`` arm or too few samples."""
     rounds_of = rounds_from_lines(records)
     if not rounds_of.get(LOCAL_ONLY):
         raise ValueError("the run has no local only arm")
@@ -183,6 +202,13 @@ def refit_oracle(summary: Mapping, records: list[dict]) -> dict:
            "spend_usd": res.spend_nusd / 1e9 * int(summary.get("rounds") or 1), "refit": True}
     if rounds_of.get(ORACLE_PLAN):
         out["plan_check"] = plan_misses(rounds_of[ORACLE_PLAN], model, float(summary["threshold_ms"]) / 1000.0)
+    try:
+        b = spend_bound(rounds_of, trace, price, float(summary["threshold_ms"]) / 1000.0)
+    except ValueError:
+        pass
+    else:
+        out["bound"] = {"rate_tps": round(b["rate_tps"], 1),
+                        "spend_usd": b["spend_nusd"] / 1e9 * int(summary.get("rounds") or 1)}
     return out
 
 

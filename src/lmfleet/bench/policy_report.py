@@ -31,6 +31,9 @@ class Row:
     x_oracle: float | None
     sent_twice_share: float
     estimate_p90_pct: float | None
+    x_bound: float | None = None
+    """Spend over the lower bound on the oracle's (:mod:`lmfleet.overflow.bound`; None: not measured): an upper
+    bound on spend over the true oracle's."""
 
 
 def trace_label(summary: dict[str, Any]) -> str:
@@ -53,6 +56,7 @@ def attribution(summary: dict[str, Any]) -> str | None:
 def rows(summary: dict[str, Any]) -> list[Row]:
     """One :class:`Row` per arm of one run, in the run's order."""
     oracle = (summary.get("oracle") or {}).get("spend_usd") or 0.0
+    bound = ((summary.get("oracle") or {}).get("bound") or {}).get("spend_usd") or 0.0
     pooled = summary.get("estimate_pooled_client") or {}
     out = []
     for arm, r in (summary.get("results") or {}).items():
@@ -64,14 +68,16 @@ def rows(summary: dict[str, Any]) -> list[Row]:
                        errors=int(r.get("errors", 0)), spend_usd=spend,
                        x_oracle=spend / oracle if oracle > 0 and spend > 0 else None,
                        sent_twice_share=float(r.get("sent_twice_share", 0.0)),
-                       estimate_p90_pct=est.get("p90_abs_error_pct_of_threshold")))
+                       estimate_p90_pct=est.get("p90_abs_error_pct_of_threshold"),
+                       x_bound=spend / bound if bound > 0 and spend > 0 else None))
     return out
 
 
 def targets(trace_rows: list[Row]) -> dict[str, bool | None]:
     """Issue 48's targets on one trace (None: the arm was not run, or nothing to compare with): predictive >= 99 %
-    with 0 errors and nothing sent twice; predictive at <= 1.3x the oracle's spend (None when the oracle plan arm,
-    replayed, met the SLO for less than 99 %: then the oracle's spend is no bound); hedge >= 99.5 %; the
+    with 0 errors and nothing sent twice; predictive at <= 1.3x the oracle's spend (met when it is within 1.3x the
+    lower bound on the oracle's spend, :mod:`lmfleet.overflow.bound`; else None when the oracle plan arm, replayed,
+    met the SLO for less than 99 %: then the oracle's spend is no bound); hedge >= 99.5 %; the
     estimate's P90 error <= 25 % under predictive; predictive above every LiteLLM arm's attainment at no more
     than its spend."""
     by = {r.arm: r for r in trace_rows}
@@ -81,7 +87,8 @@ def targets(trace_rows: list[Row]) -> dict[str, bool | None]:
     return {
         "predictive >= 99 %, 0 errors, 0 sent twice": None if p is None else (
             p.attainment >= 0.99 and p.errors == 0 and p.sent_twice_share == 0),
-        "predictive <= 1.3x oracle": None if p is None or p.x_oracle is None or no_bound else p.x_oracle <= 1.3,
+        "predictive <= 1.3x oracle": None if p is None else True if p.x_bound is not None and p.x_bound <= 1.3
+            else None if p.x_oracle is None or no_bound else p.x_oracle <= 1.3,
         "hedge >= 99.5 %": None if h is None else h.attainment >= 0.995,
         "estimate P90 error <= 25 % (predictive)": None if p is None or p.estimate_p90_pct is None else
             p.estimate_p90_pct <= 25,
@@ -96,11 +103,12 @@ def _x(v: float | None) -> str:
 
 def markdown(all_rows: list[Row]) -> str:
     lines = ["| trace | arm | requests | SLO attained | TTFT P50 / P95 / P99 ms | errors | $ | × oracle $ "
-             "| prompt tokens sent twice | estimate P90 \\|error\\| (% of threshold) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| × bound $ | prompt tokens sent twice | estimate P90 \\|error\\| (% of threshold) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in all_rows:
         est = "–" if r.estimate_p90_pct is None else f"{r.estimate_p90_pct:.0f} %"
         lines.append(f"| {r.trace} | {r.arm} | {r.requests} | {r.attainment:.1%} | {r.ttft_p50_ms:.0f} / "
                      f"{r.ttft_p95_ms:.0f} / {r.ttft_p99_ms:.0f} | {r.errors} | {r.spend_usd:.5f} | {_x(r.x_oracle)} | "
+                     f"{_x(r.x_bound)} | "
                      f"{r.sent_twice_share:.1%} | {est} |")
     return "\n".join(lines) + "\n"

@@ -38,6 +38,15 @@ class OverflowPolicyConfig(Strict):
         60.0, gt=0, description="With a provider configured: a local request with no first token after this long "
         "is cancelled and sent to the provider."
     )
+    prefill_gate: bool = Field(
+        False, description="Send the local engine one streamed prompt at a time per running replica: the next "
+        "leaves the gateway when the one before it has its first token, and the others wait in the gateway, first "
+        "come first served, where the wait estimate counts them. vLLM prefills the prompts waiting at a step "
+        "together and gives each its first token when the step ends, so a prompt sent later delays the first "
+        "token of one sent before it by its share of that step, which no estimate made at admission can see. Turn "
+        "on when the estimate's error on requests kept local (lmfleet usage --estimate) is large under bursts of "
+        "long prompts; it costs about one engine step per prompt of queue (docs/overflow.md, the prefill gate). "
+        "Non-streamed requests do not pass the gate.")
     policy: Literal["predictive", "ttft_timeout", "on_error", "hedge"] = Field(
         "predictive", description="When a request leaves the local engines for a provider. predictive (the "
         "default): before it is sent, when the predicted local wait is above threshold_ms; no prompt is prefilled "

@@ -234,6 +234,10 @@ class RequestRun:
             if local is not None and not await local.take(self.remaining):
                 b.cancel(slot)
                 return (Event.LOCAL_OVER if local.expired else Event.SKIPPED), None
+            if b is self.m.local and self.m.prefill_gate and self.req.stream and not await self.m.local.pass_gate(
+                    slot, self.remaining()):
+                b.cancel(slot)  # the request's time ran out in the gateway's queue
+                return Event.SKIPPED, None
             ep = b.endpoint(self.req.model, has_fallback=later).within(self.remaining())
             if not race:
                 # with a provider after it, a local attempt moves on if Serve has no replica to take it (replicaless)

@@ -25,6 +25,7 @@ from lmfleet.gateway.routing.budget import BudgetGuard
 from lmfleet.gateway.core.errors import UpstreamError, UpstreamRateLimited, UpstreamServerError, UpstreamUnreachable
 from lmfleet.gateway.routing.health import HealthBoard
 from lmfleet.gateway.relay.backend import Ask, Backend
+from lmfleet.gateway.relay.prefillgate import PrefillGate
 from lmfleet.gateway.relay.replicaless import WaitingForReplica
 from lmfleet.gateway.relay.upstream import Endpoint, HttpPool
 from lmfleet.store import Reservation
@@ -73,6 +74,9 @@ class LocalBackend:
         self.tracker = tracker
         self.health = health
         self.meter = meter
+        self.gate = PrefillGate()
+        """``overflow.prefill_gate``: one streamed prompt before its first token per running replica (the run
+        enters it when the model's gate is on; every end of an attempt leaves it)."""
         self.waiting = WaitingForReplica()
         """Local attempts with a provider after them, awaiting their answer: moved on when Serve has no replica
         of the model running or finishing requests (:meth:`RunningCapacity.update
@@ -89,14 +93,21 @@ class LocalBackend:
     async def acquire(self, ask: Ask) -> Any | None:
         return self.tracker.on_start(ask.prompt_tokens, awaits_first_token=ask.streamed)
 
+    async def pass_gate(self, slot: Any, timeout_s: float) -> bool:
+        """Wait for :attr:`gate` (``overflow.prefill_gate``); False: ``timeout_s`` passed first."""
+        return await self.gate.enter(id(slot), timeout_s)
+
     def first_token(self, slot: Any) -> None:
+        self.gate.leave(id(slot))
         self.tracker.on_first_token(slot)
 
     def finish(self, slot: Any, output_tokens: int) -> None:
+        self.gate.leave(id(slot))
         self.tracker.on_finish(slot, output_tokens=output_tokens, ok=True)
         self.health.mark_ok(self.model)
 
     def fail(self, slot: Any, err: UpstreamError) -> None:
+        self.gate.leave(id(slot))
         self.tracker.on_finish(slot, ok=False)
         # only a dead engine or replica makes the model stop counting as ready; not a slow queue (timeouts), a
         # redeploying app (404), a 4xx, nor one request that makes the engine answer 500 (see HealthBoard)
@@ -108,11 +119,13 @@ class LocalBackend:
             self.health.note_failure(self.model, f"local engine error: {err.message}", asyncio.current_task())
 
     def break_stream(self, slot: Any, output_tokens: int, *, timed_out: bool) -> None:
+        self.gate.leave(id(slot))
         self.tracker.on_finish(slot, output_tokens=output_tokens, ok=False)
         if not timed_out:
             self.health.note_stream_break(self.model, "local stream broke")
 
     def cancel(self, slot: Any) -> None:
+        self.gate.leave(id(slot))
         self.tracker.on_finish(slot, ok=False)
 
     def attempts(self, *, last: bool) -> int:

@@ -168,6 +168,8 @@ class LiveFleet:
                 m.threshold_ms = n.threshold_ms
             if any(getattr(n, k) != getattr(o, k) for k in _TIMER_KEYS):
                 m.timers = PolicyTimers.from_config(n)
+            if n.prefill_gate != o.prefill_gate:
+                m.prefill_gate = n.prefill_gate
 
     def _swap_tenants(self, old: FleetConfig, new: FleetConfig) -> None:
         """Each kept tenant's new settings: what a reverted run-time setting goes back to, and in force unless an
@@ -241,6 +243,8 @@ class RunningCapacity:
                          capacity, h.running_replicas if h is not None else 0)
                 m.app = replace(m.app, capacity=capacity)
                 m.local.tracker.capacity = capacity
+            if h is not None:
+                m.local.gate.limit = h.running_replicas  # one prompt before its first token per replica (>= 1)
             if h is not None and h.replicaless and (moved := m.local.waiting.release()):
                 log.warning("gateway: model %s has no replica running or finishing requests: %d local requests "
                             "waiting in Serve's queue move to a provider", name, moved)

@@ -36,6 +36,9 @@ class ServedModel:
     """The priority queue in front of its local slots (None: no tenants configured; Serve's FIFO queue only)."""
     timers: PolicyTimers = field(default_factory=PolicyTimers)
     """``overflow.policy`` and its timers (the operator may change them at run time: POST /admin/overflow)."""
+    prefill_gate: bool = False
+    """``overflow.prefill_gate``: its streamed local requests pass :attr:`LocalBackend.gate
+    <lmfleet.gateway.routing.backends.LocalBackend.gate>` (the operator may change it: POST /admin/overflow)."""
     margin: MissMargin = field(default_factory=MissMargin)
     """How much longer than predicted its recent near-threshold local requests waited (``overflow.miss_quantile``)."""
     _peers_overflowing: tuple[float, bool] = field(default=(0.0, False), repr=False)

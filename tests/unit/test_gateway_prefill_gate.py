@@ -1,0 +1,204 @@
+"""``overflow.prefill_gate``: the gate itself (first come first served, its limit, leaving, timeouts and
+cancellation), and wired into the gateway against a fake engine: one streamed prompt upstream before its first
+token, the held one counted as prefill work ahead, the admin switch and the config key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from lmfleet.config.diff import APPLIED_LIVE
+from lmfleet.gateway.relay.prefillgate import PrefillGate
+from lmfleet.testing.gateway_fakes import make_gateway, sse_events, started_client, stream_response
+from tests.unit.test_gateway_routing import CHAT, ok_local
+
+STREAM = {**CHAT, "stream": True}
+ADMIN = {"authorization": "Bearer adm"}
+
+pytestmark = pytest.mark.usefixtures("close_started_gateways")
+
+
+# ---- the gate ------------------------------------------------------------------------------------------------
+async def test_keys_enter_one_at_a_time_in_arrival_order():
+    gate, order = PrefillGate(), []
+
+    async def one(k: str) -> None:
+        assert await gate.enter(k)
+        order.append(k)
+        await asyncio.sleep(0.01)
+        gate.leave(k)
+
+    assert await gate.enter("first")
+    tasks = [asyncio.create_task(one(k)) for k in "abc"]
+    await asyncio.sleep(0.01)
+    assert (gate.holding, gate.waiting, order) == (1, 3, [])
+    gate.leave("first")
+    await asyncio.gather(*tasks)
+    assert order == ["a", "b", "c"] and (gate.holding, gate.waiting) == (0, 0)
+
+
+@pytest.mark.parametrize("limit,enter_at_once", [(1, 1), (2, 2), (3, 3), (0, 1)])
+async def test_the_limit_is_how_many_hold_it_at_once(limit, enter_at_once):
+    gate = PrefillGate(limit)
+    tasks = [asyncio.create_task(gate.enter(k)) for k in range(4)]
+    await asyncio.sleep(0.01)
+    assert sum(t.done() for t in tasks) == enter_at_once and gate.holding == enter_at_once
+    for k in range(4):
+        gate.leave(k)
+    await asyncio.gather(*tasks)
+    assert (gate.holding, gate.waiting) == (0, 0)
+
+
+async def test_raising_the_limit_lets_waiting_keys_in():
+    gate = PrefillGate(1)
+    assert await gate.enter("a")
+    waiting = asyncio.create_task(gate.enter("b"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    gate.limit = 2
+    assert await waiting and gate.holding == 2
+
+
+async def test_a_timed_out_or_cancelled_waiter_holds_nothing_and_the_next_one_enters():
+    gate = PrefillGate()
+    assert await gate.enter("a")
+    assert await gate.enter("late", timeout_s=0.01) is False
+    cancelled = asyncio.create_task(gate.enter("gone"))
+    nxt = asyncio.create_task(gate.enter("next"))
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    gate.leave("a")
+    assert await nxt and gate.holding == 1 and gate.waiting == 0
+
+
+async def test_leave_is_idempotent_and_a_key_that_leaves_while_waiting_is_not_let_in():
+    gate = PrefillGate()
+    assert await gate.enter("a")
+    assert await gate.enter("a")  # a holder entering again holds it once
+    waiting = asyncio.create_task(gate.enter("b"))
+    await asyncio.sleep(0.01)
+    gate.leave("b")  # its attempt ended before its turn came
+    assert await waiting is False
+    gate.leave("a")
+    gate.leave("a")
+    assert (gate.holding, gate.waiting) == (0, 0)
+
+
+# ---- in the gateway ------------------------------------------------------------------------------------------
+def first_token_after(delay_s: float, started: list[float]):
+    async def handler(req: httpx.Request) -> httpx.Response:
+        started.append(time.monotonic())
+        await asyncio.sleep(delay_s)
+        return stream_response(sse_events(json.loads(req.content)["model"], ["Par", "is"]))
+    return handler
+
+
+async def _two_at_once(tmp_path, gate: bool) -> tuple[list[float], list[int]]:
+    """Two streamed requests at once, local only: when each reached the engine, and the prefill work ahead that
+    the gateway counted while the second waited."""
+    started: list[float] = []
+    app = make_gateway(tmp_path, first_token_after(0.4, started))
+    c = await started_client(app)
+    r = await c.post("/admin/overflow", json={"model": "m", "mode": "force_off", "prefill_gate": gate}, headers=ADMIN)
+    assert r.status_code == 200 and r.json()["models"]["m"]["prefill_gate"] is gate
+    m = app.state.gateway.models["m"]
+    pending: list[int] = []
+
+    async def watch() -> None:
+        await asyncio.sleep(0.2)
+        pending.append(m.local.tracker.snapshot().pending_prefill_tokens)
+        gate_state = (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]["prefill_gate"]
+        assert gate_state == ({"holding": 1, "waiting": 1, "limit": 1} if gate else None)
+
+    rs = await asyncio.gather(c.post("/v1/chat/completions", json=STREAM),
+                              c.post("/v1/chat/completions", json=STREAM), watch())
+    assert all(r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m" for r in rs[:2])
+    assert m.local.tracker.in_flight == 0 and (m.local.gate.holding, m.local.gate.waiting) == (0, 0)
+    return started, pending
+
+
+async def test_with_the_gate_the_second_prompt_reaches_the_engine_after_the_first_ones_first_token(tmp_path):
+    started, pending = await _two_at_once(tmp_path, gate=True)
+    assert len(started) == 2 and started[1] - started[0] >= 0.35
+    assert pending[0] > 0 and pending[0] % 2 == 0  # both prompts (same length) counted as work ahead
+
+
+async def test_without_the_gate_both_prompts_reach_the_engine_at_once(tmp_path):
+    started, _ = await _two_at_once(tmp_path, gate=False)
+    assert len(started) == 2 and started[1] - started[0] < 0.3
+
+
+async def test_a_unary_request_does_not_pass_the_gate(tmp_path):
+    started: list[float] = []
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        started.append(time.monotonic())
+        if json.loads(req.content).get("stream"):
+            await asyncio.sleep(0.4)
+            return stream_response(sse_events("m", ["Par", "is"]))
+        return ok_local(req)
+
+    app = make_gateway(tmp_path, handler)
+    c = await started_client(app)
+    await c.post("/admin/overflow", json={"model": "m", "mode": "force_off", "prefill_gate": True}, headers=ADMIN)
+    streamed = asyncio.create_task(c.post("/v1/chat/completions", json=STREAM))
+    await asyncio.sleep(0.1)
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and len(started) == 2 and not streamed.done()
+    assert (await streamed).status_code == 200
+
+
+async def test_a_client_that_leaves_while_held_frees_the_gate_and_its_slot(tmp_path):
+    started: list[float] = []
+    app = make_gateway(tmp_path, first_token_after(0.4, started))
+    c = await started_client(app)
+    await c.post("/admin/overflow", json={"model": "m", "mode": "force_off", "prefill_gate": True}, headers=ADMIN)
+    m = app.state.gateway.models["m"]
+    first = asyncio.create_task(c.post("/v1/chat/completions", json=STREAM))
+    await asyncio.sleep(0.1)
+    held = asyncio.create_task(c.post("/v1/chat/completions", json=STREAM))
+    await asyncio.sleep(0.1)
+    assert m.local.gate.waiting == 1
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert (await first).status_code == 200
+    for _ in range(50):  # the cancelled request's cleanup runs on the gateway's side
+        if m.local.tracker.in_flight == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert m.local.tracker.in_flight == 0 and (m.local.gate.holding, m.local.gate.waiting) == (0, 0)
+    assert len(started) == 1
+
+
+async def test_admin_refuses_a_prefill_gate_that_is_not_a_boolean(tmp_path):
+    app = make_gateway(tmp_path, ok_local)
+    c = await started_client(app)
+    r = await c.post("/admin/overflow", json={"model": "m", "prefill_gate": "yes"}, headers=ADMIN)
+    assert r.status_code == 400 and "prefill_gate" in r.text
+
+
+async def test_the_gate_comes_from_the_models_config_and_applies_live(tmp_path):
+    model = {"name": "m", "source": "builtin:tiny-random", "deployment": {"max_ongoing_requests": 4},
+             "overflow": {"prefill_gate": True}}
+    app = make_gateway(tmp_path, ok_local, extra={"models": [model]})
+    assert app.state.gateway.models["m"].prefill_gate is True
+    assert "models[].overflow.prefill_gate" in APPLIED_LIVE
+
+
+@pytest.mark.parametrize("running,limit", [(3, 3), (1, 1), (0, 1)])
+def test_the_gate_lets_one_prompt_through_per_running_replica(tmp_path, running, limit):
+    from lmfleet.gateway.routing.health import ModelHealth
+    from lmfleet.gateway.routing.live import RunningCapacity
+
+    app = make_gateway(tmp_path, ok_local)
+    gw = app.state.gateway
+    gw.health.models["m"] = ModelHealth(ready=running > 0, message="", running_replicas=running)
+    RunningCapacity(gw.models, gw.health).update()
+    assert gw.models["m"].local.gate.limit == limit
