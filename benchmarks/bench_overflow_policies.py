@@ -24,8 +24,8 @@ per policy per round, alternating policies within each round (``POST /admin/over
 ``local only`` is overflow forced off; the gateway's miss margin and prefill line, learned from the requests kept
 local, carry over from one policy to the next as they would in service; ``--policies "predictive gated"`` adds an arm
 of predictive with ``overflow.prefill_gate`` on, docs/overflow.md, every other arm running with it off). Every
-replay sends fresh prompt text of
-the same lengths: vLLM's prefix cache would otherwise serve the long prompts from the replay before. An aiohttp
+replay sends fresh prompt text of the same lengths: vLLM's prefix cache would otherwise serve the long prompts from
+the replay before. An aiohttp
 client streams every request and records its TTFT and the gateway's headers (``x-lmfleet-served-by``,
 ``-route-reason``, ``-hedged``, ``-queue-estimate-ms``); spend comes from the ledger (``/admin/usage`` over the
 run's window, hedge and failover losers included).
@@ -83,9 +83,9 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from lmfleet.bench.overflow_figures import (LOCAL_ONLY, ORACLE_PLAN, Outcome, estimate_line, header_lines,  # noqa: F401
-                                            local_model, pooled_estimate, provider_bill_usd, service_samples,
-                                            summarize, table)
+from lmfleet.bench.overflow_figures import (GATED, LOCAL_ONLY, ORACLE_PLAN, Outcome,  # noqa: F401
+                                            estimate_line, header_lines, local_model, pooled_estimate,
+                                            provider_bill_usd, service_samples, summarize, table)
 from lmfleet.bench.loto import append_rows, dataset_rows
 from lmfleet.bench.mix import BenchInputError
 from lmfleet.bench.replay import parse_replay, read_trace_file, replay as replay_trace
@@ -108,8 +108,6 @@ KEYS = {"admin": ADMIN, "api": ""}
 PKEY = "sk-bench-provider"
 MODEL = "smollm2"
 POLICIES = ("predictive", "hedge", "ttft_timeout", "on_error", LOCAL_ONLY)
-GATED = "predictive gated"
-"""predictive with ``overflow.prefill_gate`` on (an arm on request: the others run with the gate off)."""
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_code.csv"
 CONTEXT_MARGIN = 64
 """Tokens of the context a replayed request leaves free: the chat template's, and words that are two tokens."""

@@ -43,6 +43,11 @@ GOOD = [row("predictive", 0.995), row("hedge", 1.0, twice=0.1), row("litellm 250
     ([row("predictive", 0.8), row("litellm 1500ms", 0.8, spend=0.02)],
      "predictive beats every LiteLLM arm at <= its spend", False),
     ([row("predictive", 1.0)], "predictive beats every LiteLLM arm at <= its spend", None),
+    (GOOD, "estimate P90 error <= 25 % (predictive gated)", None),  # the arm was not run
+    ([row("predictive gated", 0.995, est=12.0)], "estimate P90 error <= 25 % (predictive gated)", True),
+    ([row("predictive gated", 0.995, est=26.0)], "estimate P90 error <= 25 % (predictive gated)", False),
+    ([row("predictive gated", 0.995)], "predictive gated >= 99 %, 0 errors, 0 sent twice", True),
+    ([row("predictive gated", 0.985)], "predictive gated >= 99 %, 0 errors, 0 sent twice", False),
 ])
 def test_targets(trace_rows, key, expected):
     assert targets(trace_rows)[key] is expected

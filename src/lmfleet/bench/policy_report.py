@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmfleet.bench.overflow_figures import ORACLE_PLAN
+from lmfleet.bench.overflow_figures import GATED, ORACLE_PLAN
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,10 @@ def targets(trace_rows: list[Row]) -> dict[str, bool | None]:
     lower bound on the oracle's spend, :mod:`lmfleet.overflow.bound`; else None when the oracle plan arm, replayed,
     met the SLO for less than 99 %: then the oracle's spend is no bound); hedge >= 99.5 %; the
     estimate's P90 error <= 25 % under predictive; predictive above every LiteLLM arm's attainment at no more
-    than its spend."""
+    than its spend; and, where the run had the ``predictive gated`` arm (``overflow.prefill_gate`` on), its
+    attainment and estimate targets."""
     by = {r.arm: r for r in trace_rows}
-    p, h, plan = by.get("predictive"), by.get("hedge"), by.get(ORACLE_PLAN)
+    p, h, plan, g = by.get("predictive"), by.get("hedge"), by.get(ORACLE_PLAN), by.get(GATED)
     lite = [r for r in trace_rows if r.arm.startswith("litellm")]
     no_bound = plan is not None and plan.attainment < 0.99
     return {
@@ -94,6 +95,10 @@ def targets(trace_rows: list[Row]) -> dict[str, bool | None]:
             p.estimate_p90_pct <= 25,
         "predictive beats every LiteLLM arm at <= its spend": None if p is None or not lite else all(
             p.attainment > r.attainment and p.spend_usd <= r.spend_usd for r in lite),
+        "predictive gated >= 99 %, 0 errors, 0 sent twice": None if g is None else (
+            g.attainment >= 0.99 and g.errors == 0 and g.sent_twice_share == 0),
+        "estimate P90 error <= 25 % (predictive gated)": None if g is None or g.estimate_p90_pct is None else
+            g.estimate_p90_pct <= 25,
     }
 
 

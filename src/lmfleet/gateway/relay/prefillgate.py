@@ -56,7 +56,8 @@ class PrefillGate:
 
     async def enter(self, key: object, timeout_s: float | None = None) -> bool:
         """Wait for the gate (at most ``timeout_s``). True: ``key`` holds it until :meth:`leave`; False: timed out
-        (or :meth:`leave` came first), ``key`` holds nothing. Cancelled while waiting: ``key`` holds nothing, and the cancellation propagates."""
+        (or :meth:`leave` came first), ``key`` holds nothing. Cancelled while waiting: ``key`` holds nothing, and the
+        cancellation propagates."""
         if key in self._holders:
             return True
         if not self._waiting and len(self._holders) < self._limit:
