@@ -202,3 +202,15 @@ def test_the_gate_lets_one_prompt_through_per_running_replica(tmp_path, running,
     gw.health.models["m"] = ModelHealth(ready=running > 0, message="", running_replicas=running)
     RunningCapacity(gw.models, gw.health).update()
     assert gw.models["m"].local.gate.limit == limit
+
+
+async def test_a_local_attempt_raced_by_the_hedge_timer_does_not_pass_the_gate(tmp_path):
+    started: list[float] = []
+    app = make_gateway(tmp_path, first_token_after(0.4, started), {"p": ok_local})
+    c = await started_client(app)
+    r = await c.post("/admin/overflow", json={"model": "m", "threshold_ms": 100000, "policy": "hedge",
+                                              "hedge_after_ms": 5000, "prefill_gate": True}, headers=ADMIN)
+    assert r.status_code == 200
+    rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=STREAM) for _ in range(2)))
+    assert all(r.headers["x-lmfleet-served-by"] == "local/m" for r in rs)
+    assert len(started) == 2 and started[1] - started[0] < 0.3  # both at the engine at once: the timer runs there

@@ -11,7 +11,8 @@ token; the others wait in the gateway, first come first served, where the wait e
 first). What it costs: the engine no longer fills a step's leftover token budget with the next prompt, so each
 prompt adds about one engine step (decoding only) and one gateway round trip to the prefill of the queue.
 
-Non-streamed requests do not pass the gate: nothing tells the gateway when their first token came.
+Non-streamed requests do not pass the gate: nothing tells the gateway when their first token came; nor do the local
+attempts that the hedge and ttft_timeout policies race against their timer, which would not run while they wait.
 
     gate = PrefillGate()
     if await gate.enter(key, timeout_s):   # False: timed out, holds nothing

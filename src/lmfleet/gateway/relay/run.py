@@ -234,9 +234,13 @@ class RequestRun:
             if local is not None and not await local.take(self.remaining):
                 b.cancel(slot)
                 return (Event.LOCAL_OVER if local.expired else Event.SKIPPED), None
-            if b is self.m.local and self.m.prefill_gate and self.req.stream and not await self.m.local.pass_gate(
-                    slot, self.remaining()):
+            # overflow.prefill_gate, for a local attempt without a timer racing it (the timer would not run while
+            # the attempt waits in the gate)
+            if b is self.m.local and self.m.prefill_gate and self.req.stream and not race and \
+                    not await self.m.local.pass_gate(slot, self.remaining()):
                 b.cancel(slot)  # the request's time ran out in the gateway's queue
+                if local is not None:
+                    local.leave()
                 return Event.SKIPPED, None
             ep = b.endpoint(self.req.model, has_fallback=later).within(self.remaining())
             if not race:
