@@ -46,8 +46,8 @@ class OverflowPolicyConfig(Strict):
         "token of one sent before it by its share of that step, which no estimate made at admission can see. Turn "
         "on when the estimate's error on requests kept local (lmfleet usage --estimate) is large under bursts of "
         "long prompts; it costs about one engine step per prompt of queue (docs/overflow.md, the prefill gate). "
-        "Non-streamed requests, and the local attempts that the hedge and ttft_timeout policies race against their timer, "
-        "do not pass the gate.")
+        "Non-streamed requests, and the local attempts that the hedge and ttft_timeout policies race against "
+        "their timer, do not pass the gate.")
     policy: Literal["predictive", "ttft_timeout", "on_error", "hedge"] = Field(
         "predictive", description="When a request leaves the local engines for a provider. predictive (the "
         "default): before it is sent, when the predicted local wait is above threshold_ms; no prompt is prefilled "
