@@ -97,6 +97,12 @@ CLASSES3 = [{"name": "interactive", "order": INTERACTIVE}, {"name": "standard", 
             {"name": "batch", "order": BATCH, "max_wait_s": 30}]
 
 
+def _freeze(tracker, monkeypatch):
+    """Stop the tracker's clock: no busy time passes, so the estimate keeps the cold drain rate exactly (with time
+    passing and no completion, the rate the estimate counts on falls: ``estimator.drain_rate``)."""
+    monkeypatch.setattr(tracker, "_clock", lambda: 1000.0)
+
+
 @pytest.mark.parametrize("waiting,order,expected_ms", [
     ([], INTERACTIVE, 450.0),
     ([BATCH] * 6, INTERACTIVE, 450.0),
@@ -107,10 +113,11 @@ CLASSES3 = [{"name": "interactive", "order": INTERACTIVE}, {"name": "standard", 
     ([INTERACTIVE, STANDARD, STANDARD, BATCH], STANDARD, 1200.0),
     ([INTERACTIVE, STANDARD, STANDARD, BATCH], INTERACTIVE, 700.0),
 ])
-async def test_router_estimate_reads_the_models_queue(tmp_path, waiting, order, expected_ms):
+async def test_router_estimate_reads_the_models_queue(tmp_path, monkeypatch, waiting, order, expected_ms):
     app = tenant_gateway(tmp_path, {"a": {}}, models=[QUICK], classes=CLASSES3)
     m = app.state.gateway.models["m"]
     q, tracker = m.queue, m.local.tracker
+    _freeze(tracker, monkeypatch)
     for _ in range(4):  # four running: a tracker slot and a queue slot each, as a local attempt takes them
         tracker.on_start(10)
         assert q.try_enter()
@@ -125,7 +132,7 @@ async def test_router_estimate_reads_the_models_queue(tmp_path, waiting, order, 
     await asyncio.gather(*parked, return_exceptions=True)
 
 
-async def test_under_a_batch_backlog_interactive_stays_local_and_goes_first(tmp_path):
+async def test_under_a_batch_backlog_interactive_stays_local_and_goes_first(tmp_path, monkeypatch):
     """4 slots held, 8 batch requests waiting: an interactive request is predicted 450 ms (not 2450 ms, over the
     1 s threshold), so it waits locally instead of paying provider p, and is dispatched before the batch."""
     release = threading.Event()
@@ -134,6 +141,7 @@ async def test_under_a_batch_backlog_interactive_stays_local_and_goes_first(tmp_
                          providers={"p": provider}, models=[QUICK], classes=CLASSES3)
     gw = app.state.gateway
     m = gw.models["m"]
+    _freeze(m.local.tracker, monkeypatch)
     q = m.queue
     c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
@@ -159,7 +167,7 @@ async def test_under_a_batch_backlog_interactive_stays_local_and_goes_first(tmp_
     assert q.last_served["b"] < q.last_served["a"]  # b's interactive request was dispatched before a's last batch
 
 
-async def test_batch_estimates_do_not_move_the_interactive_overflow_band(tmp_path):
+async def test_batch_estimates_do_not_move_the_interactive_overflow_band(tmp_path, monkeypatch):
     """Prefill 0.7 s: with 4 running an interactive request is predicted 950 ms, under the 1 s threshold but over the
     band's lower bar (800 ms, hysteresis 0.2). Waiting batch requests predict 1.2 s and more; if their estimates set
     the model's "overflowing" state, the interactive request would overflow at 950 ms. It must not."""
@@ -170,6 +178,7 @@ async def test_batch_estimates_do_not_move_the_interactive_overflow_band(tmp_pat
     app = tenant_gateway(tmp_path, {"a": {"priority": "batch"}, "b": {}}, local=_held_local(release, "ok"),
                          providers={"p": provider}, models=[slow_prefill], classes=CLASSES3)
     m = app.state.gateway.models["m"]
+    _freeze(m.local.tracker, monkeypatch)
     q = m.queue
     c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
@@ -190,7 +199,7 @@ async def test_batch_estimates_do_not_move_the_interactive_overflow_band(tmp_pat
     assert provider.calls == 0 and not m.hysteresis.overflowing
 
 
-async def test_without_tenants_the_estimate_and_the_band_are_as_before(tmp_path):
+async def test_without_tenants_the_estimate_and_the_band_are_as_before(tmp_path, monkeypatch):
     """No ``tenants:``: no queue, the estimate is :func:`estimate_wait_ms` over everything in flight and every
     request moves the band (8 in flight, capacity 4: 13.5 s with the default cold figures -> a provider,
     overflowing)."""
@@ -198,6 +207,7 @@ async def test_without_tenants_the_estimate_and_the_band_are_as_before(tmp_path)
     app = make_gateway(tmp_path, ok_local, {"p": provider})
     gw = app.state.gateway
     m = gw.models["m"]
+    _freeze(m.local.tracker, monkeypatch)
     assert m.queue is None
     for _ in range(8):
         m.local.tracker.on_start(10)

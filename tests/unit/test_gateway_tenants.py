@@ -381,13 +381,16 @@ QUICK_M = {**MODEL_M, "overflow": {"threshold_ms": 1000, "cold_service_s": 1.0, 
 """Predicted wait: 0.2 s idle, 0.45 s with its 4 slots taken: under the threshold, so admission keeps it local."""
 
 
-async def test_the_local_queue_serves_interactive_first_and_enforces_the_batch_deadline(tmp_path):
+async def test_the_local_queue_serves_interactive_first_and_enforces_the_batch_deadline(tmp_path, monkeypatch):
     release = threading.Event()
     app = tenant_gateway(tmp_path, {"a": {"max_priority": "interactive"}, "b": {}},
                          local=_held_local(release, "ok"), models=[QUICK_M],
                          classes=[{"name": "interactive", "order": 0}, {"name": "batch", "order": 10, "max_wait_s": 1}])
     gw = app.state.gateway
     q = gw.models["m"].queue
+    # the held requests never finish: stop the tracker's clock, so the drain rate stays the cold one (with busy time
+    # passing and no completion the estimate would rise over the threshold while the batch request waits)
+    monkeypatch.setattr(gw.models["m"].local.tracker, "_clock", lambda: 1000.0)
     c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
     running = [asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("a"))) for _ in range(4)]

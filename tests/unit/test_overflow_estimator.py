@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from lmfleet.config.models import ModelConfig
-from lmfleet.overflow.estimator import cold_ttft_for, estimate_wait_ms, local_capacity
+from lmfleet.overflow.estimator import cold_ttft_for, drain_rate, estimate_wait_ms, local_capacity
 from lmfleet.overflow.signals import LoadTracker, QueueSignals
 
 
@@ -42,6 +42,34 @@ def sig(in_flight=0, drain=None, base=None, running=None, waiting=None):
 )
 def test_estimate_table(signals, capacity, expected_ms):
     assert estimate_wait_ms(signals, capacity) == pytest.approx(expected_ms)
+
+
+@pytest.mark.parametrize(
+    "drain, completions, busy_s, expected",
+    [
+        # measured: as reported, whatever the window's counts
+        (2.0, 40, 20.0, 2.0),
+        # nothing in the window: the cold rate, 8 slots / 10 s
+        (None, 0, 0.0, 0.8),
+        # a burst a second old, nothing completed: (0 + 3) / (1 + 3 / 0.8)
+        (None, 0, 1.0, 3 / 4.75),
+        # every slot busy 20 s with two completions (long generations): 5 / 23.75, a slot-round of 4.75 s
+        (None, 2, 20.0, 5 / 23.75),
+        # two completions in half a second (short answers): faster than the cold rate
+        (None, 2, 0.5, 5 / 4.25),
+    ],
+)
+def test_drain_rate_weighs_the_window_against_the_cold_rate(drain, completions, busy_s, expected):
+    s = dataclasses.replace(sig(drain=drain), completions_in_window=completions, busy_s=busy_s)
+    assert drain_rate(s, 8, 10.0) == pytest.approx(expected)
+
+
+def test_a_full_engine_with_no_completion_for_long_predicts_a_long_wait():
+    """8 slots busy 24 s with two completions: a slot-round of 5.55 s, not the cold 1.25 s: over a 2.5 s threshold."""
+    fresh = dataclasses.replace(sig(in_flight=8, base=0.3), completions_in_window=2, busy_s=0.0)
+    long = dataclasses.replace(fresh, busy_s=24.0)
+    assert estimate_wait_ms(fresh, 8) == pytest.approx(300.0 + 1000 * 3.75 / 5)
+    assert estimate_wait_ms(long, 8) == pytest.approx(300.0 + 1000 * 27.75 / 5)
 
 
 def test_cold_defaults_are_parameters():

@@ -51,6 +51,27 @@ def test_drain_rate(requests, now, in_flight, drain, tps):
 
 
 @pytest.mark.parametrize(
+    "requests, now, completions, busy",
+    [
+        ([], 0.0, 0, 0.0),
+        # two completions, under min_completions: no rate, but their count and the busy time are reported
+        ([(0, 0.1, 1, 10, True), (0, 0.1, 2, 10, True)], 2.0, 2, 2.0),
+        # one request still running since 0: busy until now, nothing completed
+        ([(0, 0.1, 99, 10, True)], 12.0, 0, 12.0),
+        # an idle gap (4..10) is not busy
+        ([(0, 0.1, 2, 5, True), (0, 0.1, 4, 5, True), (10, 0.1, 11, 5, True)], 12.0, 3, 5.0),
+        # only the window's last 30 s count
+        ([(0, 0.1, 99, 10, True)], 40.0, 0, 30.0),
+    ],
+)
+def test_busy_seconds_and_completions_are_reported_before_a_rate_is(requests, now, completions, busy):
+    tr = LoadTracker(capacity=4, window_s=30.0)
+    _run(tr, requests, until=now)
+    s = tr.snapshot(now=now)
+    assert (s.completions_in_window, s.busy_s) == (completions, pytest.approx(busy))
+
+
+@pytest.mark.parametrize(
     "starts_ttfts, capacity, ttft, base",
     [
         ([], 2, None, None),

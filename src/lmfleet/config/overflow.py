@@ -28,7 +28,8 @@ class OverflowPolicyConfig(Strict):
         30.0, gt=0, description="Trailing window (busy seconds) over which the local drain rate and TTFT are measured."
     )
     cold_service_s: float = Field(
-        10.0, gt=0, description="Assumed seconds per request before any completion is measured (cold start)."
+        10.0, gt=0, description="Assumed seconds per request before any completion is measured (cold start); "
+        "until 3 completions are in the window, the ones there and the busy time correct it."
     )
     cold_ttft_s: float = Field(
         1.0, gt=0, description="Assumed prefill time (TTFT at low load) before any is measured. Above threshold_ms, "

@@ -48,6 +48,16 @@ Cold start (no measurements): the drain rate defaults to ``C / cold_service_s`` 
 busy for ``cold_service_s`` per request, 10 s by default: pessimistic for chat models) and
 ``base_ttft`` to ``cold_ttft_s``. An idle engine then predicts ``cold_ttft_s`` (1 s, under the
 2.5 s default threshold: stay local); a queue predicts several seconds per queued slot-round.
+
+Until the window holds enough completions for a measured rate (``MIN_COMPLETIONS``), the ones it holds still
+count (:func:`drain_rate`): the cold rate is a prior worth ``MIN_COMPLETIONS`` completions, and the window's ``n``
+completions over its ``busy_s`` busy seconds update it as a gamma prior on a Poisson rate is updated::
+
+    r = (n + MIN_COMPLETIONS) / (busy_s + MIN_COMPLETIONS / r_cold)
+
+A burst of long generations that has kept every slot busy for 20 s with two completions predicts a slot-round of
+about 5 s, not the cold 1.25 s; a new burst a second old predicts about the cold rate. The measured rate
+(``n / busy_s``) takes over once the window holds ``MIN_COMPLETIONS`` completions.
 With a threshold under ``cold_ttft_s`` an idle engine would be predicted over it for ever: every request would go
 to a provider, and none would measure the engine. So while no TTFT is measured (or the prefill line is stale) and
 nothing is in flight, a
@@ -59,9 +69,9 @@ then spills the requests after it.
 from __future__ import annotations
 
 from lmfleet.config.models import ModelConfig
-from lmfleet.overflow.signals import QueueSignals
+from lmfleet.overflow.signals import MIN_COMPLETIONS, QueueSignals
 
-__all__ = ["EXPLORE_SHARE", "cold_ttft_for", "estimate_wait_ms", "local_capacity", "prefill_excess_s",
+__all__ = ["EXPLORE_SHARE", "cold_ttft_for", "drain_rate", "estimate_wait_ms", "local_capacity", "prefill_excess_s",
            "serving_capacity"]
 
 EXPLORE_SHARE = 0.5
@@ -133,8 +143,16 @@ def estimate_wait_ms(
         base_s = min(base_s, cold_ttft_s + (signals.prefill_s_per_token or 0.0) * _work(signals, prompt_tokens))
     if ahead <= 0:
         return base_s * 1000.0
-    drain = signals.drain_rps if signals.drain_rps else slots / cold_service_s
-    return (ahead / drain + base_s) * 1000.0
+    return (ahead / drain_rate(signals, slots, cold_service_s) + base_s) * 1000.0
+
+
+def drain_rate(signals: QueueSignals, slots: int, cold_service_s: float) -> float:
+    """Completions per second the estimate counts on: the measured ``drain_rps``, else the cold rate
+    ``slots / cold_service_s`` updated by the window's completions and busy seconds (module docstring). Pure."""
+    if signals.drain_rps:
+        return signals.drain_rps
+    prior = slots / cold_service_s
+    return (signals.completions_in_window + MIN_COMPLETIONS) / (max(0.0, signals.busy_s) + MIN_COMPLETIONS / prior)
 
 
 def cold_ttft_for(signals: QueueSignals, cold_ttft_s: float, threshold_ms: float) -> float:

@@ -20,7 +20,9 @@ How the figures are measured
   the *busy* time in that window (time with at least one local request in flight). Dividing by
   busy time, not wall time, keeps an idle spell from making the engine look slow; while the
   engine is saturated (the only time the rate matters, see the estimator) busy time is wall time.
-  With fewer than ``min_completions`` completions in the window the rate is unknown (``None``).
+  With fewer than ``min_completions`` (:data:`MIN_COMPLETIONS`) completions in the window the rate is unknown
+  (``None``); the window's completions and busy seconds are reported all the same (``completions_in_window``,
+  ``busy_s``), and the estimator weighs them against its cold-start prior.
 * **Recent TTFT**: median of the most recent ``ttft_samples`` (256) TTFT samples of the trailing
   window -- of all of them while the window holds no more than that.
 * **Prefill line** (the TTFT of a request that does not queue, by its prefill work): the requests that found a
@@ -82,9 +84,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "PREFILL_SAMPLES", "PREFILL_TTL_S", "LoadTracker", "PrefillLine",
+__all__ = ["MIN_COMPLETIONS", "PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "PREFILL_SAMPLES", "PREFILL_TTL_S", "LoadTracker", "PrefillLine",
            "QueueSignals", "Ticket", "line_is_stale", "prefill_line", "prefill_slope"]
 
+MIN_COMPLETIONS = 3
+"""Completions the window must hold before the measured drain rate is reported, by default."""
 PREFILL_MIN_SPREAD = 256
 """Tokens of prefill work two samples must differ by for their slope to count (closer pairs are noise)."""
 PREFILL_MIN_PAIRS = 3
@@ -124,6 +128,8 @@ class QueueSignals:
     """Median prefill work (prompt + work ahead) of the prefill line's samples; None without samples."""
     prefill_stale: bool = False
     """Nothing in flight and the prefill line's newest sample older than ``idle_reset_s`` (:func:`line_is_stale`)."""
+    busy_s: float = 0.0
+    """Seconds of the window with a local request of this gateway in flight (the drain rate's denominator)."""
 
 
 @dataclass(frozen=True)
@@ -252,7 +258,7 @@ class LoadTracker:
         capacity: int,
         *,
         window_s: float = 30.0,
-        min_completions: int = 3,
+        min_completions: int = MIN_COMPLETIONS,
         ttft_samples: int = 256,
         engine_stats_ttl_s: float = 10.0,
         idle_reset_s: float = IDLE_RESET_S,
@@ -389,6 +395,7 @@ class LoadTracker:
             prefill_s_per_token=line.slope if line else None,
             base_prefill_tokens=line.base_work if line else None,
             prefill_stale=line_is_stale(newest, t, in_flight, self.idle_reset_s),
+            busy_s=busy,
         )
 
     # -- internals -------------------------------------------------------------------------------

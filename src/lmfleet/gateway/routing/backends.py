@@ -102,13 +102,11 @@ class LocalBackend:
         self.tracker.on_first_token(slot)
 
     def finish(self, slot: Any, output_tokens: int) -> None:
-        self.gate.leave(id(slot))
-        self.tracker.on_finish(slot, output_tokens=output_tokens, ok=True)
+        self._end(slot, output_tokens, ok=True)
         self.health.mark_ok(self.model)
 
     def fail(self, slot: Any, err: UpstreamError) -> None:
-        self.gate.leave(id(slot))
-        self.tracker.on_finish(slot, ok=False)
+        self._end(slot)
         # only a dead engine or replica makes the model stop counting as ready; not a slow queue (timeouts), a
         # redeploying app (404), a 4xx, nor one request that makes the engine answer 500 (see HealthBoard)
         if isinstance(err, UpstreamUnreachable) or (isinstance(err, UpstreamServerError) and _says_dead(err.message)):
@@ -119,14 +117,17 @@ class LocalBackend:
             self.health.note_failure(self.model, f"local engine error: {err.message}", asyncio.current_task())
 
     def break_stream(self, slot: Any, output_tokens: int, *, timed_out: bool) -> None:
-        self.gate.leave(id(slot))
-        self.tracker.on_finish(slot, output_tokens=output_tokens, ok=False)
+        self._end(slot, output_tokens)
         if not timed_out:
             self.health.note_stream_break(self.model, "local stream broke")
 
     def cancel(self, slot: Any) -> None:
+        self._end(slot)
+
+    def _end(self, slot: Any, output_tokens: int = 0, *, ok: bool = False) -> None:
+        """The attempt ended (answered, failed, broken off or cancelled): out of the gate, off the tracker."""
         self.gate.leave(id(slot))
-        self.tracker.on_finish(slot, ok=False)
+        self.tracker.on_finish(slot, output_tokens=output_tokens, ok=ok)
 
     def attempts(self, *, last: bool) -> int:
         # retries go through Serve's router to another (or a restarted) replica; with nowhere else to go, keep
