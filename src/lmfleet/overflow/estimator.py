@@ -49,6 +49,13 @@ busy for ``cold_service_s`` per request, 10 s by default: pessimistic for chat m
 ``base_ttft`` to ``cold_ttft_s``. An idle engine then predicts ``cold_ttft_s`` (1 s, under the
 2.5 s default threshold: stay local); a queue predicts several seconds per queued slot-round.
 
+With a threshold under ``cold_ttft_s`` an idle engine would be predicted over it for ever: every request would go
+to a provider, and none would measure the engine. So while no TTFT is measured (or the prefill line is stale) and
+nothing is in flight, a
+``cold_ttft_s`` above the threshold is replaced by ``EXPLORE_SHARE`` of the threshold (:func:`cold_ttft_for`): the
+next request is tried locally and measured; if the engine is slower than the threshold, the measured base TTFT
+then spills the requests after it.
+
 Until the window holds enough completions for a measured rate (``MIN_COMPLETIONS``), the ones it holds still
 count (:func:`drain_rate`): the cold rate is a prior worth ``MIN_COMPLETIONS`` completions, and the window's ``n``
 completions over its ``busy_s`` busy seconds update it as a gamma prior on a Poisson rate is updated::
@@ -58,12 +65,6 @@ completions over its ``busy_s`` busy seconds update it as a gamma prior on a Poi
 A burst of long generations that has kept every slot busy for 20 s with two completions predicts a slot-round of
 about 5 s, not the cold 1.25 s; a new burst a second old predicts about the cold rate. The measured rate
 (``n / busy_s``) takes over once the window holds ``MIN_COMPLETIONS`` completions.
-With a threshold under ``cold_ttft_s`` an idle engine would be predicted over it for ever: every request would go
-to a provider, and none would measure the engine. So while no TTFT is measured (or the prefill line is stale) and
-nothing is in flight, a
-``cold_ttft_s`` above the threshold is replaced by ``EXPLORE_SHARE`` of the threshold (:func:`cold_ttft_for`): the
-next request is tried locally and measured; if the engine is slower than the threshold, the measured base TTFT
-then spills the requests after it.
 """
 
 from __future__ import annotations

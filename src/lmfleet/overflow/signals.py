@@ -84,8 +84,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["MIN_COMPLETIONS", "PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "PREFILL_SAMPLES", "PREFILL_TTL_S", "LoadTracker", "PrefillLine",
-           "QueueSignals", "Ticket", "line_is_stale", "prefill_line", "prefill_slope"]
+__all__ = ["MIN_COMPLETIONS", "PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "PREFILL_SAMPLES", "PREFILL_TTL_S",
+           "LoadTracker", "PrefillLine", "QueueSignals", "Ticket", "line_is_stale", "prefill_line", "prefill_slope"]
 
 MIN_COMPLETIONS = 3
 """Completions the window must hold before the measured drain rate is reported, by default."""
