@@ -18,6 +18,7 @@ from lmfleet.gateway.routing.router import class_wait_ms
 from lmfleet.overflow.estimator import estimate_wait_ms
 from lmfleet.overflow.signals import QueueSignals
 from lmfleet.testing.gateway_fakes import make_gateway, started_client
+from tests.support.clock import freeze_tracker_clock
 from tests.unit.test_gateway_tenants import (
     CHAT,
     Counting,
@@ -97,12 +98,6 @@ CLASSES3 = [{"name": "interactive", "order": INTERACTIVE}, {"name": "standard", 
             {"name": "batch", "order": BATCH, "max_wait_s": 30}]
 
 
-def _freeze(tracker, monkeypatch):
-    """Stop the tracker's clock: no busy time passes, so the estimate keeps the cold drain rate exactly (with time
-    passing and no completion, the rate the estimate counts on falls: ``estimator.drain_rate``)."""
-    monkeypatch.setattr(tracker, "_clock", lambda: 1000.0)
-
-
 @pytest.mark.parametrize("waiting,order,expected_ms", [
     ([], INTERACTIVE, 450.0),
     ([BATCH] * 6, INTERACTIVE, 450.0),
@@ -117,7 +112,7 @@ async def test_router_estimate_reads_the_models_queue(tmp_path, monkeypatch, wai
     app = tenant_gateway(tmp_path, {"a": {}}, models=[QUICK], classes=CLASSES3)
     m = app.state.gateway.models["m"]
     q, tracker = m.queue, m.local.tracker
-    _freeze(tracker, monkeypatch)
+    freeze_tracker_clock(tracker, monkeypatch)
     for _ in range(4):  # four running: a tracker slot and a queue slot each, as a local attempt takes them
         tracker.on_start(10)
         assert q.try_enter()
@@ -141,7 +136,7 @@ async def test_under_a_batch_backlog_interactive_stays_local_and_goes_first(tmp_
                          providers={"p": provider}, models=[QUICK], classes=CLASSES3)
     gw = app.state.gateway
     m = gw.models["m"]
-    _freeze(m.local.tracker, monkeypatch)
+    freeze_tracker_clock(m.local.tracker, monkeypatch)
     q = m.queue
     c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
@@ -178,7 +173,7 @@ async def test_batch_estimates_do_not_move_the_interactive_overflow_band(tmp_pat
     app = tenant_gateway(tmp_path, {"a": {"priority": "batch"}, "b": {}}, local=_held_local(release, "ok"),
                          providers={"p": provider}, models=[slow_prefill], classes=CLASSES3)
     m = app.state.gateway.models["m"]
-    _freeze(m.local.tracker, monkeypatch)
+    freeze_tracker_clock(m.local.tracker, monkeypatch)
     q = m.queue
     c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
@@ -207,7 +202,7 @@ async def test_without_tenants_the_estimate_and_the_band_are_as_before(tmp_path,
     app = make_gateway(tmp_path, ok_local, {"p": provider})
     gw = app.state.gateway
     m = gw.models["m"]
-    _freeze(m.local.tracker, monkeypatch)
+    freeze_tracker_clock(m.local.tracker, monkeypatch)
     assert m.queue is None
     for _ in range(8):
         m.local.tracker.on_start(10)

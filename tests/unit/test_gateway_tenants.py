@@ -18,6 +18,7 @@ from lmfleet.config import parse_config
 from lmfleet.gateway.front.access import GatewayConfigError
 from lmfleet.gateway.build import check_gateway_access
 from lmfleet.testing.gateway_fakes import ADMIN_KEY_ENV, chat_json, make_gateway, sse_events, started_client, stream_response
+from tests.support.clock import freeze_tracker_clock
 
 pytestmark = pytest.mark.usefixtures("close_started_gateways")
 
@@ -388,9 +389,9 @@ async def test_the_local_queue_serves_interactive_first_and_enforces_the_batch_d
                          classes=[{"name": "interactive", "order": 0}, {"name": "batch", "order": 10, "max_wait_s": 1}])
     gw = app.state.gateway
     q = gw.models["m"].queue
-    # the held requests never finish: stop the tracker's clock, so the drain rate stays the cold one (with busy time
-    # passing and no completion the estimate would rise over the threshold while the batch request waits)
-    monkeypatch.setattr(gw.models["m"].local.tracker, "_clock", lambda: 1000.0)
+    # the held requests never finish: with busy time passing and no completion the estimate would rise over the
+    # threshold while the batch request waits
+    freeze_tracker_clock(gw.models["m"].local.tracker, monkeypatch)
     c = await started_client(app)
     held = {**CHAT, "messages": [{"role": "user", "content": "hold"}]}
     running = [asyncio.create_task(c.post("/v1/chat/completions", json=held, headers=key("a"))) for _ in range(4)]

@@ -73,7 +73,7 @@ from lmfleet.config.models import ModelConfig
 from lmfleet.overflow.signals import MIN_COMPLETIONS, QueueSignals
 
 __all__ = ["EXPLORE_SHARE", "cold_ttft_for", "drain_rate", "estimate_wait_ms", "local_capacity", "prefill_excess_s",
-           "serving_capacity"]
+           "queue_position", "serving_capacity"]
 
 EXPLORE_SHARE = 0.5
 """While no TTFT is measured and nothing is in flight, a cold prefill time above the threshold is replaced by this
@@ -132,12 +132,7 @@ def estimate_wait_ms(
     """
     if capacity < 1:
         raise ValueError(f"capacity={capacity} must be >= 1")
-    slots = capacity
-    if signals.engine_waiting and signals.engine_running:
-        slots = min(slots, signals.engine_running)
-    ahead = signals.in_flight - slots + 1
-    if signals.engine_waiting:
-        ahead = max(ahead, signals.engine_waiting + 1)
+    slots, ahead = queue_position(signals, capacity)
     base_s = signals.base_ttft_s if signals.base_ttft_s is not None else cold_ttft_s
     base_s = max(0.0, base_s + prefill_excess_s(signals, prompt_tokens))
     if signals.prefill_stale and signals.base_ttft_s is not None:
@@ -145,6 +140,19 @@ def estimate_wait_ms(
     if ahead <= 0:
         return base_s * 1000.0
     return (ahead / drain_rate(signals, slots, cold_service_s) + base_s) * 1000.0
+
+
+def queue_position(signals: QueueSignals, capacity: int) -> tuple[int, int]:
+    """``(slots, ahead)``: the slots the engines run now (``capacity``, or the engine's running count while it
+    reports waiting requests) and the completions a new request waits for before one is free (<= 0: one is free now;
+    at least the engine's waiting count + 1). Pure."""
+    slots = capacity
+    if signals.engine_waiting and signals.engine_running:
+        slots = min(slots, signals.engine_running)
+    ahead = signals.in_flight - slots + 1
+    if signals.engine_waiting:
+        ahead = max(ahead, signals.engine_waiting + 1)
+    return slots, ahead
 
 
 def drain_rate(signals: QueueSignals, slots: int, cold_service_s: float) -> float:

@@ -37,6 +37,7 @@ from typing import Any
 
 from lmfleet.overflow.admission import Admission, parse_admission
 from lmfleet.overflow.estimate_error import percentile
+from lmfleet.overflow.estimator import queue_position
 from lmfleet.overflow.margin import BAND
 
 __all__ = ["CANDIDATES", "LOAD_BINS", "MARGIN_Q", "MIN_BIN", "Candidate", "admission_of", "features",
@@ -95,12 +96,7 @@ def features(row: Row) -> list[float]:
     engine's waiting count (0 unknown)."""
     a = admission_of(row)
     s = a.signals
-    slots = a.capacity
-    if s.engine_waiting and s.engine_running:
-        slots = min(slots, s.engine_running)
-    ahead = s.in_flight - slots + 1
-    if s.engine_waiting:
-        ahead = max(ahead, s.engine_waiting + 1)
+    _, ahead = queue_position(s, a.capacity)
     queue_ms = 1000.0 * max(0, ahead) / s.drain_rps if s.drain_rps else 0.0
     return [1.0, a.estimate_ms, queue_ms, _load(a), s.pending_prefill_tokens / 1000, a.prompt_tokens / 1000,
             float(s.engine_waiting or 0)]
