@@ -22,8 +22,10 @@ trace of ``lmfleet.bench.trace`` from it (one seed for every policy), replays it
 (not counted: a fresh CPU engine's first bursts of simultaneous prefills run several times slower), and then once
 per policy per round, alternating policies within each round (``POST /admin/overflow`` switches the policy;
 ``local only`` is overflow forced off; the gateway's miss margin and prefill line, learned from the requests kept
-local, carry over from one policy to the next as they would in service; ``--policies "predictive gated"`` adds an arm
-of predictive with ``overflow.prefill_gate`` on, docs/overflow.md, every other arm running with it off). Every
+local, carry over from one policy to the next as they would in service). Every arm runs with
+``overflow.prefill_gate`` at its default, ``auto`` (on for this CPU engine with its provider; docs/overflow.md), but
+``local only``, which runs with it off; ``--policies "predictive ungated"`` adds an arm of predictive with it off,
+``"predictive gated"`` one with it on. Every
 replay sends fresh prompt text of the same lengths: vLLM's prefix cache would otherwise serve the long prompts from
 the replay before. An aiohttp
 client streams every request and records its TTFT and the gateway's headers (``x-lmfleet-served-by``,
@@ -83,7 +85,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from lmfleet.bench.overflow_figures import (GATED, LOCAL_ONLY, ORACLE_PLAN, Outcome,  # noqa: F401
+from lmfleet.bench.overflow_figures import (GATED, LOCAL_ONLY, ORACLE_PLAN, UNGATED, Outcome,  # noqa: F401
                                             estimate_line, header_lines, local_model, pooled_estimate,
                                             provider_bill_usd, service_samples, summarize, table)
 from lmfleet.bench.loto import append_rows, dataset_rows
@@ -127,8 +129,9 @@ def set_policy(url: str, name: str, threshold_ms: float, hedge_after_ms: float, 
         admin(url, "POST", "/admin/overflow", {"model": MODEL, "mode": "force_off", "prefill_gate": False})
         return
     admin(url, "POST", "/admin/overflow", {"model": MODEL, "mode": "auto", "threshold_ms": threshold_ms,
-                                           "policy": "predictive" if name == GATED else name,
-                                           "prefill_gate": name == GATED, "hedge_after_ms": hedge_after_ms,
+                                           "policy": "predictive" if name in (GATED, UNGATED) else name,
+                                           "prefill_gate": {GATED: True, UNGATED: False}.get(name, "auto"),
+                                           "hedge_after_ms": hedge_after_ms,
                                            "ttft_timeout_ms": timeout_ms})
 
 
@@ -188,8 +191,9 @@ def main() -> None:
                     help="seconds of closed-loop load before the capacity is measured (not counted)")
     ap.add_argument("--price-in", type=float, default=0.5, help="provider $/1M prompt tokens")
     ap.add_argument("--price-out", type=float, default=1.5, help="provider $/1M output tokens")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=(*POLICIES, GATED),
-                    help=f"the arms ({GATED!r}: predictive with overflow.prefill_gate on; the others run with it off)")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=(*POLICIES, GATED, UNGATED),
+                    help=f"the arms (each with overflow.prefill_gate auto, the default: on for this CPU engine, but "
+                    f"{LOCAL_ONLY!r}: off; {GATED!r} / {UNGATED!r}: predictive with it on / off)")
     ap.add_argument("--smoke", action="store_true", help="a few seconds of trace, one round: the harness works")
     ap.add_argument("--dataset-out", type=Path, help="JSON lines: the requests kept local, for estimator_loto.py")
     ap.add_argument("--url", default=None, help="use this running fleet (one started with --serve-only)")
@@ -251,7 +255,7 @@ def main() -> None:
             admin(args.url, "POST", "/admin/overflow", {"model": MODEL, "mode": before["mode"],
                                                         "threshold_ms": before["threshold_ms"],
                                                         "policy": "predictive",
-                                                        "prefill_gate": before.get("prefill_gate") is not None})
+                                                        "prefill_gate": before.get("prefill_gate_setting", "auto")})
         return
     pport, gport, sport = free_port(), free_port(), free_port()
     fleet = out / "fleet.yaml"

@@ -17,6 +17,9 @@ Steps (state between calls in /tmp/gpu-serve/state.json; servers run in their ow
             (``vllm bench serve``), medians over ``--rounds``; ratios to bare vLLM.
   overflow  a burst of ``--burst`` chat requests through the gateway, more than the engine's ``max_num_seqs``:
             how many the gateway sent to the provider, errors, and ledger rows against answers.
+  gate      what ``overflow.prefill_gate`` costs on this engine: ``vllm bench serve`` through the gateway (overflow
+            forced off) at ``--streams`` with the gate off and on, alternated per round, for prompts of each of
+            ``--gate-prompt-lens`` tokens; medians over ``--rounds``, the gate's setting put back to auto after.
   stop      stops every server started here.
 Writes DIR/gpu_serve.json (every figure of the steps run in this call) and DIR/*.log tails.
 """
@@ -256,6 +259,43 @@ def overflow(st: dict, a, res: dict) -> None:
     res["overflow"] = {"threshold_ms": a.threshold_ms, "burst": b, "usage_before": before, "usage_after": after}
 
 
+def gate(st: dict, a, res: dict) -> None:
+    import statistics
+
+    import httpx
+
+    from lmfleet.testing import serving_paths as bg
+
+    h = {"authorization": f"Bearer {ADMIN_KEY}"}
+    url = f"http://127.0.0.1:{st['gport']}"
+    t = bg.Target("lmfleet gateway", f"{url}/v1", NAME)
+    raw: dict[str, list] = {}
+    try:
+        for rnd in range(a.rounds):
+            for n in a.gate_prompt_lens:
+                for on in ((False, True) if rnd % 2 == 0 else (True, False)):
+                    httpx.post(f"{url}/admin/overflow", json={"model": NAME, "mode": "force_off", "prefill_gate": on},
+                               headers=h, timeout=30).raise_for_status()
+                    r = bg.run_vllm_bench(t, a.streams, a.requests_n, a.max_tokens, str(MODEL_DIR), input_len=n)
+                    raw.setdefault(f"{n} {'on' if on else 'off'}", []).append(r)
+                    log(f"round {rnd + 1} prompt {n} gate {'on ' if on else 'off'} c={a.streams}: TTFT p50 "
+                        f"{r['ttft_p50_ms']:.1f} p99 {r['ttft_p99_ms']:.1f} ms {r['output_tok_s']:.0f} tok/s "
+                        f"errors {r['errors']}")
+    finally:
+        httpx.post(f"{url}/admin/overflow", json={"model": NAME, "mode": "auto", "prefill_gate": "auto"}, headers=h,
+                   timeout=30)
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "errors")}
+           for k, v in raw.items()}
+    res["gate"] = {"streams": a.streams, "requests": a.requests_n, "max_tokens": a.max_tokens, "rounds": a.rounds,
+                   "table": med, "raw": raw}
+    print("\n| prompt tokens | gate | tok/s | TTFT P50 (ms) | TTFT P99 (ms) | tok/s on / off |\n|---|---|---|---|---|---|")
+    for n in a.gate_prompt_lens:
+        off, on = med[f"{n} off"], med[f"{n} on"]
+        for name, r in (("off", off), ("on", on)):
+            print(f"| {n} | {name} | {r['output_tok_s']:.0f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
+                  f"{r['output_tok_s'] / off['output_tok_s']:.1%} |", flush=True)
+
+
 def stop(st: dict, a, res: dict) -> None:
     for key in ("vllm_pid", "serve_pid", "provider_pid"):
         pid = st.get(key)
@@ -287,6 +327,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--burst", type=int, default=1000)
     ap.add_argument("--burst-tokens", type=int, default=256)
+    ap.add_argument("--gate-prompt-lens", type=int, nargs="+", default=[32, 1024],
+                    help="the gate step's prompt sizes (tokens)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     WORK.mkdir(parents=True, exist_ok=True)
@@ -307,7 +349,8 @@ def main() -> None:
                            "cuda": torch.version.cuda}
     except Exception as e:  # noqa: BLE001
         res["versions"] = {"error": repr(e)}
-    steps = {"model": None, "check": check, "start": start, "bench": bench, "overflow": overflow, "stop": stop}
+    steps = {"model": None, "check": check, "start": start, "bench": bench, "overflow": overflow, "gate": gate,
+             "stop": stop}
     try:
         for s in a.steps.split(","):
             log(f"step {s}")

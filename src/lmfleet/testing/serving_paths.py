@@ -97,9 +97,11 @@ async def load_c1_rotated(targets: list[Target], requests: int, max_tokens: int,
             for name, o in out.items()}
 
 
-def run_vllm_bench(t: Target, concurrency: int, requests: int, max_tokens: int, tokenizer: str) -> dict:
-    """One phase measured by ``vllm bench serve`` (random 32-token prompts, ``--ignore-eos``) in a fresh process."""
-    spec = json.dumps([t.url, t.model, concurrency, requests, max_tokens, tokenizer])
+def run_vllm_bench(t: Target, concurrency: int, requests: int, max_tokens: int, tokenizer: str,
+                   input_len: int = 32) -> dict:
+    """One phase measured by ``vllm bench serve`` (random prompts of ``input_len`` tokens, ``--ignore-eos``) in a
+    fresh process."""
+    spec = json.dumps([t.url, t.model, concurrency, requests, max_tokens, tokenizer, input_len])
     env = {**os.environ, **({"OPENAI_API_KEY": t.api_key} if t.api_key else {})}
     out = subprocess.run([sys.executable, "-m", "lmfleet.testing.serving_paths", "--vllm-bench-only", spec],
                          capture_output=True, text=True, timeout=1800, env=env)
@@ -115,12 +117,12 @@ def vllm_bench_only(spec: str) -> None:
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    url, model, concurrency, requests, max_tokens, tokenizer = json.loads(spec)
+    url, model, concurrency, requests, max_tokens, tokenizer, input_len = json.loads(spec)
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     a = parser.parse_args([
         "--backend", "openai", "--base-url", url.removesuffix("/v1"), "--endpoint", "/v1/completions",
-        "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", "32",
+        "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
         "--random-output-len", str(max_tokens), "--num-prompts", str(requests), "--max-concurrency", str(concurrency),
         "--ignore-eos", "--num-warmups", str(concurrency), "--disable-tqdm", "--percentile-metrics", "ttft",
         "--metric-percentiles", "50,99", "--temperature", "0"])

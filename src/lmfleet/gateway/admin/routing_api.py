@@ -49,7 +49,8 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
                                              if s.prefill_s_per_token is not None else None),
                 "base_prefill_tokens": s.base_prefill_tokens, "prefill_stale": s.prefill_stale,
                 "prefill_gate": ({"holding": m.local.gate.holding, "waiting": m.local.gate.waiting,
-                                  "limit": m.local.gate.limit} if m.prefill_gate else None),
+                                  "limit": m.local.gate.limit} if m.gated else None),
+                "prefill_gate_setting": m.prefill_gate,
                 "estimate_calibration": c.as_dict() if (c := gw.recorder.calibration.summary(n)) else None,
                 **routing_state(gw, n, m.app.cfg.deployment.request_router),
             }
@@ -71,8 +72,9 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
         if thr is not None and (isinstance(thr, bool) or not isinstance(thr, (int, float)) or thr <= 0):
             raise GatewayError(400, f"threshold_ms must be a positive number, got {thr!r}", param="threshold_ms")
         gate = body.get("prefill_gate")
-        if gate is not None and not isinstance(gate, bool):
-            raise GatewayError(400, f"prefill_gate must be true or false, got {gate!r}", param="prefill_gate")
+        if gate is not None and not isinstance(gate, bool) and gate != "auto":
+            raise GatewayError(400, f"prefill_gate must be true, false or \"auto\", got {gate!r}",
+                               param="prefill_gate")
         timers = {m.name: _policy_timers(m, body) for m in targets}
         for m in targets:
             if mode is not None:
@@ -86,7 +88,8 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
                  thr, body.get("policy"))
         return {"models": {m.name: {"mode": m.mode.value, "threshold_ms": m.threshold_ms,
                                     "policy": m.timers.policy.value, "ttft_timeout_ms": m.timers.ttft_timeout_ms,
-                                    "hedge_after_ms": m.timers.hedge_after_ms, "prefill_gate": m.prefill_gate}
+                                    "hedge_after_ms": m.timers.hedge_after_ms, "prefill_gate": m.prefill_gate,
+                                    "prefill_gate_on": m.gated}
                            for m in targets}}
 
     return r

@@ -14,6 +14,10 @@ prompt adds about one engine step (decoding only) and one gateway round trip to 
 Non-streamed requests do not pass the gate: nothing tells the gateway when their first token came; nor do the local
 attempts that the hedge and ttft_timeout policies race against their timer, which would not run while they wait.
 
+Where (:func:`gate_on`): ``auto``, the default, turns it on for a model with a provider to overflow to whose engine
+runs on CPU, where one prompt's step is a visible share of the threshold; on a GPU engine a step is short against
+it, and without a provider the estimate decides nothing the gate would pay for.
+
     gate = PrefillGate()
     if await gate.enter(key, timeout_s):   # False: timed out, holds nothing
         ...                                # send upstream
@@ -24,8 +28,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from typing import Literal
 
-__all__ = ["PrefillGate"]
+__all__ = ["PrefillGate", "gate_on"]
+
+
+def gate_on(setting: bool | Literal["auto"], device: str, has_provider: bool) -> bool:
+    """Whether a model's streamed local requests pass the gate: ``setting`` (``overflow.prefill_gate``, or the
+    operator's run-time value) when true or false; ``auto``: with a provider to overflow to, on a ``cpu`` engine."""
+    if setting == "auto":
+        return has_provider and device == "cpu"
+    return bool(setting)
 
 
 class PrefillGate:

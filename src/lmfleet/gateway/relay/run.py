@@ -236,7 +236,7 @@ class RequestRun:
                 return (Event.LOCAL_OVER if local.expired else Event.SKIPPED), None
             # overflow.prefill_gate, for a local attempt without a timer racing it (the timer would not run while
             # the attempt waits in the gate)
-            if b is self.m.local and self.m.prefill_gate and self.req.stream and not race and \
+            if b is self.m.local and self.m.gated and self.req.stream and not race and \
                     not await self.m.local.pass_gate(slot, self.remaining()):
                 b.cancel(slot)  # the request's time ran out in the gateway's queue
                 if local is not None:

@@ -7,12 +7,13 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from lmfleet.engine.app import ModelApp
 from lmfleet.gateway.core.request import ParsedRequest, check_context
 from lmfleet.gateway.routing.backends import LocalBackend, ProviderBackend
 from lmfleet.gateway.core.tokens import count_prompt_tokens, template_overhead, token_bounds
+from lmfleet.gateway.relay.prefillgate import gate_on
 from lmfleet.overflow import HysteresisState, OverflowMode
 from lmfleet.overflow.margin import MissMargin
 from lmfleet.overflow.policies import PolicyTimers
@@ -36,15 +37,22 @@ class ServedModel:
     """The priority queue in front of its local slots (None: no tenants configured; Serve's FIFO queue only)."""
     timers: PolicyTimers = field(default_factory=PolicyTimers)
     """``overflow.policy`` and its timers (the operator may change them at run time: POST /admin/overflow)."""
-    prefill_gate: bool = False
-    """``overflow.prefill_gate``: its streamed local requests pass :attr:`LocalBackend.gate
-    <lmfleet.gateway.routing.backends.LocalBackend.gate>` (the operator may change it: POST /admin/overflow)."""
+    prefill_gate: bool | Literal["auto"] = False
+    """``overflow.prefill_gate`` (the operator may change it: POST /admin/overflow); :attr:`gated` says whether it
+    is on now."""
     margin: MissMargin = field(default_factory=MissMargin)
     """How much longer than predicted its recent near-threshold local requests waited (``overflow.miss_quantile``)."""
     _peers_overflowing: tuple[float, bool] = field(default=(0.0, False), repr=False)
 
     PEERS_OVERFLOWING_TTL_S = 2.0
     """A peer's overflowing flag older than this (the registry stopped answering) no longer counts."""
+
+    @property
+    def gated(self) -> bool:
+        """Its streamed local requests pass :attr:`LocalBackend.gate
+        <lmfleet.gateway.routing.backends.LocalBackend.gate>` now (:func:`gate_on
+        <lmfleet.gateway.relay.prefillgate.gate_on>` of :attr:`prefill_gate`, its engine's device and its providers)."""
+        return gate_on(self.prefill_gate, self.app.device, bool(self.providers))
 
     def set_peers_overflowing(self, flag: bool, now: float) -> None:
         """Another gateway of the fleet reports this model overflowing
