@@ -31,7 +31,7 @@ NODEPS=(compressed-tensors==0.17.0 depyf==0.20.0 xgrammar==0.2.9 "apache-tvm-ffi
 UPGRADE=(grpcio apache_tvm_ffi)
 
 pack() {
-  local mb=${1:-58} py="${PYTHON:-$ROOT/.venv/bin/python}" work="$ROOT/.gpu/work"
+  local mb=${1:-48} py="${PYTHON:-$ROOT/.venv/bin/python}" work="$ROOT/.gpu/work"
   rm -rf "$ROOT/.gpu" && mkdir -p "$work/wheels" "$work/bundle/wheels" "$work/vllm" "$work/ray"
   "$py" -m pip download -q --no-deps "${PLAT[@]}" -d "$work" "$VLLM" "$RAY"
   "$py" -m pip download -q "${PLAT[@]}" -d "$work/wheels" "${DEPS[@]}"

@@ -137,3 +137,29 @@ def test_sweep_row_external_share():
     report = {"overall": summary, "providers": {"local/a": {"completed": 3}, "provider/x": {"completed": 1}}}
     row = sweep_row("rate", 2.0, report)
     assert row["rate"] == 2.0 and row["external_share"] == 0.25 and row["e2el_p99_ms"] == 2.0
+
+
+@pytest.mark.parametrize("answers,served,want,fetches", [
+    # the ledger already has every backend that answered: one read
+    ([{"local/m": {}, "provider/p": {}}], {"local/m", "provider/p"}, {"local/m", "provider/p"}, 1),
+    # the last stream's row lands after the client asked: read again until it is there
+    ([{"local/m": {}}, {"local/m": {}}, {"local/m": {}, "provider/p": {}}], {"local/m", "provider/p"},
+     {"local/m", "provider/p"}, 3),
+    # no ledger at all: no waiting
+    ([None], {"local/m"}, None, 1),
+    # a backend the ledger never shows: what it has once the wait is over
+    ([{"local/m": {}}] * 100, {"local/m", "provider/p"}, {"local/m"}, 26),
+])
+def test_usage_waits_until_the_ledger_shows_every_backend_that_answered(answers, served, want, fetches):
+    from lmfleet.bench.cost import usage_covering
+    now, calls = [0.0], []
+
+    def fetch():
+        calls.append(now[0])
+        return answers[min(len(calls), len(answers)) - 1]
+
+    def sleep(s):
+        now[0] += s
+
+    got = usage_covering(fetch, served, wait_s=5.0, sleep=sleep, clock=lambda: now[0])
+    assert (None if got is None else set(got)) == want and len(calls) == fetches

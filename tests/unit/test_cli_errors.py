@@ -54,3 +54,27 @@ def test_data_stdout_sends_other_prints_to_stderr(monkeypatch):
     assert out.getvalue() == '{"ok": true}\n'
     assert "marked dead" in err.getvalue()
     assert sys.stdout is out
+
+
+@pytest.mark.parametrize("connected", [True, False])
+def test_data_stdout_disconnects_a_connected_ray_driver_before_stdout_is_back(monkeypatch, connected):
+    """An event Ray's driver thread prints after the document (the driver disconnecting at exit) would follow the JSON
+    on stdout: the block disconnects the driver while other prints still go to stderr."""
+    import io
+    import sys
+    import types
+
+    from lmfleet.cli.common import data_stdout
+
+    out, err = io.StringIO(), io.StringIO()
+    calls: list[object] = []
+    fake = types.SimpleNamespace(is_initialized=lambda: connected,
+                                 shutdown=lambda: calls.append(sys.stdout) or print("(raylet) late event"))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    with data_stdout() as stdout:
+        stdout.write('{"ok": true}\n')
+    assert out.getvalue() == '{"ok": true}\n'
+    assert calls == ([err] if connected else [])
+    assert ("late event" in err.getvalue()) is connected

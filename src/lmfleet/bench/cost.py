@@ -13,6 +13,8 @@ Accepted shapes (the first that matches wins)::
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +113,25 @@ def fetch_usage(base_url: str, since: float, admin_key: str | None, timeout: flo
         return parse_usage(r.json())
     except (httpx.HTTPError, ValueError):
         return None
+
+
+LEDGER_WAIT_S = 5.0
+"""How long :func:`usage_covering` waits for the ledger to show every backend that answered."""
+
+
+def usage_covering(fetch: Callable[[], dict | None], served: set[str], wait_s: float = LEDGER_WAIT_S,
+                   sleep: Callable[[float], None] = time.sleep,
+                   clock: Callable[[], float] = time.monotonic) -> dict | None:
+    """The gateway's usage (``fetch``: :func:`fetch_usage`) once it has a row for every backend in ``served`` (the
+    ``x-lmfleet-served-by`` of the answers): a gateway writes a stream's ledger row just after its last event, so
+    a client that asks at once can be ahead of the last row. At most ``wait_s``, then what the ledger has (the
+    backends it lacks are priced instead); None: no ledger."""
+    deadline = clock() + wait_s
+    usage = fetch()
+    while usage is not None and not served <= usage.keys() and clock() < deadline:
+        sleep(0.2)
+        usage = fetch()
+    return usage
 
 
 def cost_table(tokens: dict[str, tuple[int, int]], prices: dict[str, Price],

@@ -18,7 +18,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from lmfleet.bench.cost import Price, fetch_usage
+from lmfleet.bench.cost import Price, fetch_usage, usage_covering
 from lmfleet.bench.html import write_html
 from lmfleet.bench.loadgen import LiveStats, LoadPlan, RequestRecord, Target, run_load
 from lmfleet.bench.metrics import SLO, percentile
@@ -183,7 +183,8 @@ def run_benchmark(spec: BenchSpec, requests: list[BenchRequest], console: Consol
     """Send the load and build the report (no files written)."""
     started = time.time()
     records, wall = asyncio.run(execute(spec, requests, console, label=_endpoint_label(spec.base_url)))
-    ledger = fetch_usage(spec.base_url, started, spec.admin_key) if spec.use_ledger else None
+    ledger = usage_covering(lambda: fetch_usage(spec.base_url, started, spec.admin_key),
+                            {r.provider for r in records if r.ok}) if spec.use_ledger else None
     meta = {
         "base_url": spec.base_url, "model": spec.model, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                    time.gmtime(started)),

@@ -41,8 +41,15 @@ def data_stdout() -> Iterator[TextIO]:
     """Yield the real stdout for a ``--json`` document; anything else printed meanwhile goes to stderr.
 
     A Ray driver prints cluster events (``(raylet) The node ... has been marked dead``) on ``sys.stdout`` from a
-    background thread; inside this block they land on stderr, so the JSON on stdout stays parseable.
+    background thread; inside this block they land on stderr, so the JSON on stdout stays parseable. The block
+    ends by disconnecting the driver (when one is connected), whose thread would otherwise print an event that
+    arrives later, at exit, after the document.
     """
     real = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):
-        yield real
+        try:
+            yield real
+        finally:
+            ray = sys.modules.get("ray")
+            if ray is not None and ray.is_initialized():
+                ray.shutdown()

