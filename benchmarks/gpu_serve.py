@@ -187,9 +187,18 @@ def start(st: dict, a, res: dict) -> None:
     log(f"KV tokens reported: bare {res['vllm_kv_tokens_bare']}, under lmfleet {res['vllm_kv_tokens_lmfleet']}")
 
 
-def bench(st: dict, a, res: dict) -> None:
+METRICS = ("ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "errors")
+"""What ``run_vllm_bench`` reports that the bench and gate tables show, as medians over the rounds."""
+
+
+def _medians(runs: list[dict]) -> dict[str, float]:
+    """Each of :data:`METRICS`' median over ``runs`` (one result per round)."""
     import statistics
 
+    return {m: statistics.median(r[m] for r in runs) for m in METRICS}
+
+
+def bench(st: dict, a, res: dict) -> None:
     from lmfleet.testing import serving_paths as bg
 
     targets = [bg.Target("bare vLLM", f"http://127.0.0.1:{st['vport']}/v1", NAME),
@@ -206,8 +215,7 @@ def bench(st: dict, a, res: dict) -> None:
             raw[t.name]["n"].append(r)
             log(f"round {rnd + 1} {t.name:24s} c={a.streams}: TTFT p50 {r['ttft_p50_ms']:.1f} p99 "
                 f"{r['ttft_p99_ms']:.1f} ms {r['output_tok_s']:.0f} tok/s errors {r['errors']}")
-    med = {n: {f"c{c}_{k}": statistics.median(r[k] for r in raw[n]["1" if c == 1 else "n"])
-               for c in (1, a.streams) for k in ("ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "errors")}
+    med = {n: {f"c{c}_{k}": v for c in (1, a.streams) for k, v in _medians(raw[n]["1" if c == 1 else "n"]).items()}
            for n in raw}
     base = med["bare vLLM"]
     for row in med.values():
@@ -260,8 +268,6 @@ def overflow(st: dict, a, res: dict) -> None:
 
 
 def gate(st: dict, a, res: dict) -> None:
-    import statistics
-
     import httpx
 
     from lmfleet.testing import serving_paths as bg
@@ -284,8 +290,7 @@ def gate(st: dict, a, res: dict) -> None:
     finally:
         httpx.post(f"{url}/admin/overflow", json={"model": NAME, "mode": "auto", "prefill_gate": "auto"}, headers=h,
                    timeout=30)
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "errors")}
-           for k, v in raw.items()}
+    med = {k: _medians(v) for k, v in raw.items()}
     res["gate"] = {"streams": a.streams, "requests": a.requests_n, "max_tokens": a.max_tokens, "rounds": a.rounds,
                    "table": med, "raw": raw}
     print("\n| prompt tokens | gate | tok/s | TTFT P50 (ms) | TTFT P99 (ms) | tok/s on / off |\n|---|---|---|---|---|---|")
