@@ -25,7 +25,7 @@ per policy per round, alternating policies within each round (``POST /admin/over
 local, carry over from one policy to the next as they would in service). Every arm runs with
 ``overflow.prefill_gate`` at its default, ``auto`` (on for this CPU engine with its provider; docs/overflow.md), but
 ``local only``, which runs with it off; ``--policies "predictive ungated"`` adds an arm of predictive with it off,
-``"predictive gated"`` one with it on. Every
+``"predictive gated"`` one with it on; ``"predictive no floor"`` one with ``overflow.miss_floor`` 0. Every
 replay sends fresh prompt text of the same lengths: vLLM's prefix cache would otherwise serve the long prompts from
 the replay before. An aiohttp
 client streams every request and records its TTFT and the gateway's headers (``x-lmfleet-served-by``,
@@ -85,7 +85,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from lmfleet.bench.overflow_figures import (GATED, LOCAL_ONLY, ORACLE_PLAN, UNGATED, Outcome,  # noqa: F401
+from lmfleet.bench.overflow_figures import (GATED, LOCAL_ONLY, NO_FLOOR, ORACLE_PLAN, UNGATED, Outcome,  # noqa: F401
                                             estimate_line, header_lines, local_model, pooled_estimate,
                                             provider_bill_usd, service_samples, summarize, table)
 from lmfleet.bench.loto import append_rows, dataset_rows
@@ -95,6 +95,7 @@ from lmfleet.bench.shapes import SHAPES, shape_trace
 from lmfleet.bench.trace import TraceRequest
 from lmfleet.config.models import ProviderPrice
 from lmfleet.net import free_port
+from lmfleet.overflow.margin import FLOOR
 from lmfleet.overflow.oracle import oracle_spill
 from lmfleet.provenance import is_external
 from lmfleet.testing.fleet import autogroup_nice
@@ -129,8 +130,9 @@ def set_policy(url: str, name: str, threshold_ms: float, hedge_after_ms: float, 
         admin(url, "POST", "/admin/overflow", {"model": MODEL, "mode": "force_off", "prefill_gate": False})
         return
     admin(url, "POST", "/admin/overflow", {"model": MODEL, "mode": "auto", "threshold_ms": threshold_ms,
-                                           "policy": "predictive" if name in (GATED, UNGATED) else name,
+                                           "policy": "predictive" if name in (GATED, UNGATED, NO_FLOOR) else name,
                                            "prefill_gate": {GATED: True, UNGATED: False}.get(name, "auto"),
+                                           "miss_floor": 0.0 if name == NO_FLOOR else FLOOR,
                                            "hedge_after_ms": hedge_after_ms,
                                            "ttft_timeout_ms": timeout_ms})
 
@@ -191,9 +193,10 @@ def main() -> None:
                     help="seconds of closed-loop load before the capacity is measured (not counted)")
     ap.add_argument("--price-in", type=float, default=0.5, help="provider $/1M prompt tokens")
     ap.add_argument("--price-out", type=float, default=1.5, help="provider $/1M output tokens")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=(*POLICIES, GATED, UNGATED),
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=(*POLICIES, GATED, UNGATED, NO_FLOOR),
                     help=f"the arms (each with overflow.prefill_gate auto, the default: on for this CPU engine, but "
-                    f"{LOCAL_ONLY!r}: off; {GATED!r} / {UNGATED!r}: predictive with it on / off)")
+                    f"{LOCAL_ONLY!r}: off; {GATED!r} / {UNGATED!r}: predictive with it on / off; {NO_FLOOR!r}: "
+                    f"predictive with overflow.miss_floor 0, the others with its default)")
     ap.add_argument("--smoke", action="store_true", help="a few seconds of trace, one round: the harness works")
     ap.add_argument("--dataset-out", type=Path, help="JSON lines: the requests kept local, for estimator_loto.py")
     ap.add_argument("--url", default=None, help="use this running fleet (one started with --serve-only)")
@@ -462,7 +465,8 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
     print(f"\nload at end: {load()}")
     print("\n" + "\n".join(header_lines(info)))
     print(f"\nthreshold {args.threshold_ms:.0f} ms, hedge_after {args.hedge_after_ms:.0f} ms, ttft_timeout "
-          f"{args.ttft_timeout_ms:.0f} ms, miss_quantile {args.miss_quantile}, {args.rounds} round(s), "
+          f"{args.ttft_timeout_ms:.0f} ms, miss_quantile {args.miss_quantile}, miss_floor {FLOOR} "
+          f"(predictive no floor: 0), {args.rounds} round(s), "
           f"provider $ {args.price_in}/{args.price_out} per 1M in/out, engine max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {args.max_num_batched_tokens or 'vLLM default'}\n")
     print(table(results, oracle["spend_usd"] if oracle else None))
@@ -495,7 +499,8 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
     summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "capacity_rps": cap,
                "trace": info, "requests_per_round": len(trace), "seed": args.seed,
                "threshold_ms": args.threshold_ms, "hedge_after_ms": args.hedge_after_ms,
-               "ttft_timeout_ms": args.ttft_timeout_ms, "miss_quantile": args.miss_quantile, "rounds": args.rounds,
+               "ttft_timeout_ms": args.ttft_timeout_ms, "miss_quantile": args.miss_quantile, "miss_floor": FLOOR,
+               "rounds": args.rounds,
                "price": {"input_per_1m": args.price_in, "output_per_1m": args.price_out},
                "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, "results": results,

@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/estimator_loto.py out/ds/*.jsonl --out out/estimator_loto
     .venv/bin/python benchmarks/estimator_loto.py --smoke --out out/estimator_loto   # a synthetic dataset
     .venv/bin/python benchmarks/estimator_loto.py out/ds/*.jsonl --prefill-line gateway   # the gateway's prefill line
+    .venv/bin/python benchmarks/estimator_loto.py --miss-floors 0 0.05 0.1 0.15 0.2 0.25 \
+        out/ds/a.jsonl@"predictive gated" out/ds/b.jsonl.gz   # overflow.miss_floor on the recorded decisions
 
 The datasets come from replays (one file per trace or shape; a file may hold several, each row names its own)::
 
@@ -19,6 +21,12 @@ and the share of those it would have spilled that did not need it, beside the sa
 Writes to ``--out``: ``loto.md`` (the table and each candidate's worst held-out trace), ``loto.json`` (every score)
 and ``predicted_vs_realised.png`` (the held-out predictions against the realised waits, per candidate).
 ``--smoke``: three synthetic traces (:func:`lmfleet.bench.loto.synthetic_dataset`), seconds; not a measurement.
+
+``--miss-floors F ...`` compares values of ``overflow.miss_floor`` instead (:mod:`lmfleet.bench.miss_floor`): per
+trace, the misses among the requests kept local, and what each floor would have spilled of them (misses caught,
+spills added), then the floor chosen leave-one-trace-out (``--miss-weight`` added spills worth one kept miss).
+``PATH@POLICY`` takes only that policy's rows from a file (a replay's arms share one trace name); writes
+``miss_floor.md``.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from pathlib import Path
 
 from lmfleet.bench.loto import (LINES, loto, read_datasets, scores_json, synthetic_dataset, table,
                                 with_prefill_line, worst)
+from lmfleet.bench.miss_floor import floor_counts, floor_loto
 from lmfleet.overflow.estimators import CANDIDATES, admission_of
 
 
@@ -78,18 +87,31 @@ def main() -> int:
                     "TTFT; 'recorded' as the rows have it. Compare replays with each other: a replay has only the "
                     "dataset's requests")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--miss-floors", nargs="+", type=float, metavar="F",
+                    help="compare these overflow.miss_floor values on the recorded decisions instead")
+    ap.add_argument("--miss-weight", type=float, default=3.0,
+                    help="with --miss-floors: how many added spills one kept miss is worth when choosing")
     args = ap.parse_args()
     if args.smoke:
         datasets, source = synthetic_dataset(), "synthetic (--smoke)"
     elif not args.datasets:
         ap.error("give dataset files (bench_overflow_policies.py --dataset-out), or --smoke")
     else:
+        split = [(Path(p), pol if at else None) for p, at, pol in (str(d).partition("@") for d in args.datasets)]
         try:
-            datasets, source = read_datasets(args.datasets), " ".join(map(str, args.datasets))
+            if args.miss_floors:  # one entry per file: a synthetic shape's seeds share its trace name
+                datasets = {p.name.removesuffix(".gz").removesuffix(".jsonl").removeprefix("estimator_dataset_"):
+                            [r for rs in read_datasets([p], {p: pol} if pol else None).values() for r in rs]
+                            for p, pol in split}
+            else:
+                datasets = read_datasets([p for p, _ in split], {p: pol for p, pol in split if pol})
         except (OSError, ValueError) as e:
             ap.error(str(e))
+        source = " ".join(map(str, args.datasets))
     if len(datasets) < 2:
         ap.error(f"leave-one-trace-out needs rows of two traces or more; found {sorted(datasets) or 'none'}")
+    if args.miss_floors:
+        return miss_floors(datasets, source, args.miss_floors, args.miss_weight, args.out)
     if (rule := LINES[args.prefill_line]) is not None:
         datasets = {t: with_prefill_line(rs, rule) for t, rs in datasets.items()}
         source += f" (prefill rule replayed: {args.prefill_line})"
@@ -108,6 +130,35 @@ def main() -> int:
         plot(datasets, args.candidates, args.out / "predicted_vs_realised.png")
     print(text)
     print(f"written to {args.out}")
+    return 0
+
+
+def miss_floors(datasets: dict[str, list[dict]], source: str, floors: list[float], weight: float, out: Path) -> int:
+    """The ``--miss-floors`` report (module docstring)."""
+    lines = [f"# overflow.miss_floor on the recorded decisions\n\ndatasets: {source}\n",
+             "| trace | kept local | missed | " + " | ".join(f"floor {f:g}: caught / added" for f in floors) + " |",
+             "|---|---|---|" + "---|" * len(floors)]
+    total = {f: [0, 0] for f in floors}
+    for trace, rows in datasets.items():
+        counts = [floor_counts(rows, f) for f in floors]
+        for f, c in zip(floors, counts):
+            total[f][0] += c.caught
+            total[f][1] += c.added
+        lines.append(f"| {trace} | {counts[0].local} | {counts[0].missed} | "
+                     + " | ".join(f"{c.caught} / {c.added}" for c in counts) + " |")
+    lines.append("| all | | | " + " | ".join(f"{total[f][0]} / {total[f][1]}" for f in floors) + " |")
+    picks = floor_loto(datasets, floors, weight)
+    lines += ["", f"leave-one-trace-out (one kept miss = {weight:g} added spills):", "",
+              "| held out | floor chosen on the others | kept missed | caught | added |", "|---|---|---|---|---|"]
+    lines += [f"| {p.held_out} | {p.floor:g} | {p.count.kept_missed} | {p.count.caught} | {p.count.added} |"
+              for p in picks]
+    lines.append(f"| all | | {sum(p.count.kept_missed for p in picks)} | {sum(p.count.caught for p in picks)} | "
+                 f"{sum(p.count.added for p in picks)} |")
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "miss_floor.md").write_text(text)
+    print(text)
+    print(f"written to {out}")
     return 0
 
 

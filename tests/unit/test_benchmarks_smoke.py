@@ -25,6 +25,7 @@ SMOKE = [
     ("bench_tenants.py", ["--duration", "1", "--loads", "1"]),
     ("bench_rate_store.py", ["20"]),
     ("estimator_loto.py", ["--smoke", "--prefill-line", "gateway", "--out", "out"]),
+    ("estimator_loto.py", ["--smoke", "--miss-floors", "0", "0.15", "--out", "out"]),
     ("overflow_report.py", ["--smoke", "--refit-oracle", "--out", "out"]),
 ]
 # start engines (or need GPUs): their imports and arguments only

@@ -98,6 +98,8 @@ async def test_threshold_and_policy_swap_and_an_operator_override_stays_unless_c
     assert (m.timers.policy, m.timers.hedge_after_ms, m.threshold_ms) == (Policy.HEDGE, 200.0, 333.0)
     live.take(changed(live.fleet, models__overflow__threshold_ms=1500.0))
     assert (m.threshold_ms, m.timers.policy) == (1500.0, Policy.HEDGE)
+    live.take(changed(live.fleet, models__overflow__miss_floor=0.3))
+    assert (m.margin.floor, m.threshold_ms) == (0.3, 1500.0)
 
 
 async def test_overflow_switched_off_keeps_new_requests_local(tmp_path) -> None:

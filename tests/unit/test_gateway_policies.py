@@ -211,6 +211,27 @@ async def test_the_miss_margin_moves_the_decision_not_the_estimate(tmp_path):
     assert (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]["miss_margin_ms"] == 0
 
 
+async def test_the_miss_floor_spills_an_estimate_just_under_the_threshold_when_the_samples_say_it_was_right(tmp_path):
+    app = make_gateway(tmp_path, ok_local, {"p": provider_ok})  # threshold 1000 ms; idle: cold estimate 1000 ms
+    c = await started_client(app)
+    await _policy(c, threshold_ms=1100)
+    m = app.state.gateway.models["m"]
+    for _ in range(8):  # recent requests predicted at 1000 ms waited 900: the learned quantile is under 0
+        m.margin.observe(predicted_ms=1000, realised_ms=900, threshold_ms=1100)
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.headers["x-lmfleet-served-by"] == "provider/p"  # 1000 + the floor, 0.15 x 1100, > 1100
+    assert (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]["miss_margin_ms"] == 165
+    r = await _policy(c, miss_floor=0)
+    assert r.status_code == 200 and r.json()["models"]["m"]["miss_floor"] == 0
+    m.hysteresis = HysteresisState(overflowing=False)  # the spill left it overflowing down to 880 ms
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.headers["x-lmfleet-served-by"] == "local/m"  # the learned margin alone: 0
+    for bad in (0.6, -1, "0.1", True):
+        r = await _policy(c, miss_floor=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "miss_floor"
+    assert (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]["miss_floor"] == 0
+
+
 async def test_the_margins_prior_spills_near_the_threshold_while_the_engine_is_busy_never_when_idle(tmp_path):
     app = make_gateway(tmp_path, slow(["w"], 1.0), {"p": provider_ok})
     c = await started_client(app)

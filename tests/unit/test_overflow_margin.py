@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmfleet.overflow.margin import CAP, MIN_SAMPLES, PRIOR, WINDOW_S, MissMargin, applied_margin_ms, miss_margin_ms
+from lmfleet.overflow.margin import (CAP, FLOOR, MIN_SAMPLES, PRIOR, WINDOW_S, MissMargin, applied_margin_ms,
+                                     miss_margin_ms)
 
 
 @pytest.mark.parametrize("errors,quantile,cap,expected", [
@@ -24,6 +25,21 @@ from lmfleet.overflow.margin import CAP, MIN_SAMPLES, PRIOR, WINDOW_S, MissMargi
 ])
 def test_miss_margin(errors, quantile, cap, expected):
     assert miss_margin_ms(errors, quantile, cap) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("errors,quantile,floor,expected", [
+    ([-500.0] * 10, 0.9, 375, 375.0),                          # the estimate was right: the floor
+    ([100.0] * 10, 0.9, 375, 375.0),
+    ([900.0] * 10, 0.9, 375, 900.0),                           # learned above it: the learned margin
+    ([3000.0] * 10, 0.9, 2000, 1250.0),                        # the cap still bounds it
+    ([], 0.9, 375, PRIOR * 1250),                              # before the samples: the prior, not the floor
+    ([], 0.9, 1000, PRIOR * 1250),
+    ([-500.0] * 10, None, 375, 0.0),                           # miss_quantile null: no margin at all
+])
+def test_the_learned_margin_is_at_least_the_floor(errors, quantile, floor, expected):
+    assert miss_margin_ms(errors, quantile, 1250, floor_ms=floor) == pytest.approx(expected)
+    assert miss_margin_ms(errors, quantile, 1250, floor_ms=floor, idle=True) == pytest.approx(
+        0.0 if not errors else expected)                       # an idle engine: no prior, and no floor before it
 
 
 @pytest.mark.parametrize("errors,expected", [
@@ -47,7 +63,7 @@ def test_only_requests_predicted_near_the_threshold_count():
 
 
 def test_old_samples_leave_the_window():
-    m = MissMargin(0.9)
+    m = MissMargin(0.9, floor=0.0)
     for _ in range(MIN_SAMPLES):
         m.observe(1700, 2600, 2500, now=0.0)
     assert m.margin_ms(2500, now=WINDOW_S - 1) == pytest.approx(900.0)
@@ -55,6 +71,14 @@ def test_old_samples_leave_the_window():
     for _ in range(MIN_SAMPLES):
         m.observe(1700, 1600, 2500, now=WINDOW_S + 1)  # a quiet spell's samples: over-predicted, no margin
     assert m.margin_ms(2500, now=WINDOW_S + 2) == 0.0
+    m.floor = FLOOR
+    assert m.margin_ms(2500, now=WINDOW_S + 2) == pytest.approx(FLOOR * 2500)  # the default floor
+
+
+@pytest.mark.parametrize("floor", [-0.1, 0.6, True, "0.1", None])
+def test_a_floor_outside_0_to_the_cap_is_refused(floor):
+    with pytest.raises(ValueError, match="miss_floor"):
+        MissMargin(0.9, floor=floor)
 
 
 @pytest.mark.parametrize("threshold,expected", [

@@ -21,6 +21,7 @@ its first token has none).
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -93,18 +94,23 @@ def append_rows(path: Path | None, rows: Sequence[Mapping[str, Any]]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def read_datasets(paths: Sequence[Path]) -> dict[str, list[dict]]:
-    """Rows by trace from JSON-lines files (a row without ``trace`` takes its file's stem); only rows with an
-    admission record and a realised wait."""
+def read_datasets(paths: Sequence[Path], policies: Mapping[Path, str] | None = None) -> dict[str, list[dict]]:
+    """Rows by trace from JSON-lines files, gzipped where the name ends in ``.gz`` (a row without ``trace`` takes
+    its file's stem); only rows with an admission record and a realised wait, and, for a file in ``policies``, only
+    that policy's rows."""
     by: dict[str, list[dict]] = defaultdict(list)
     for path in paths:
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        only = (policies or {}).get(path)
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if only is not None and row.get("policy") != only:
+                continue
             if row.get("admission") is not None and row.get("realised_wait_ms") is not None:
                 by[str(row.get("trace") or path.stem)].append(row)
     return dict(by)

@@ -18,7 +18,7 @@ from lmfleet.overflow.estimate_error import estimate_error, percentile
 from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, kept_ttfts_s, oracle_spill, spill_cost_nusd
 from lmfleet.provenance import is_external
 
-__all__ = ["GATED", "LITELLM_FALLBACK", "LOCAL_ONLY", "ORACLE_PLAN", "RATE_ARMS", "UNGATED", "Outcome",
+__all__ = ["GATED", "LITELLM_FALLBACK", "LOCAL_ONLY", "NO_FLOOR", "ORACLE_PLAN", "RATE_ARMS", "UNGATED", "Outcome",
            "estimate_line", "header_lines", "local_model", "plan_misses", "pooled_estimate", "provider_bill_usd",
            "refit_oracle", "rounds_from_lines", "service_samples", "spend_bound", "summarize", "table"]
 
@@ -32,6 +32,8 @@ GATED = "predictive gated"
 UNGATED = "predictive ungated"
 """The arm of predictive with ``overflow.prefill_gate`` false. The ``predictive`` arm runs the default, ``auto``
 (on for the CPU engine with a provider); runs recorded before ``auto`` had the gate off in it."""
+NO_FLOOR = "predictive no floor"
+"""The arm of predictive with ``overflow.miss_floor`` 0 (the learned margin alone); the others run the default."""
 LITELLM_FALLBACK = "litellm_fallback"
 """The route reason of a request the LiteLLM proxy answered from its fallback (the provider)."""
 
@@ -163,7 +165,7 @@ def plan_misses(rounds: list[list[Outcome]], model: LocalServiceModel, slo_s: fl
     return out
 
 
-RATE_ARMS = ("predictive", GATED, UNGATED, "on_error", LOCAL_ONLY, ORACLE_PLAN)
+RATE_ARMS = ("predictive", GATED, UNGATED, NO_FLOOR, "on_error", LOCAL_ONLY, ORACLE_PLAN)
 """The arms whose local answers are every prompt that reached the engine (no hedge or timeout cancelled one after
 it started): :func:`spend_bound` measures the engine's prefill rate on their rounds."""
 

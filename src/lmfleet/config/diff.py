@@ -109,9 +109,9 @@ _rows("engine", "replica replacement", "models[].deployment.", "stream_batching_
 _rows("gateway", "none", "models[].deployment.", "request_timeout_s")
 _rows("gateway", "none", "models[].", "content_parts cost.gpu_hour_usd cost.node_hour_usd cost.attribution_window_s "
       "cost.min_output_tokens_per_hour")
-_rows("gateway", "none", "models[].overflow.", "enabled threshold_ms hysteresis miss_quantile providers "
-      "signal_window_s cold_service_s cold_ttft_s local_first_token_timeout_s prefill_gate policy ttft_timeout_ms "
-      "hedge_after_ms")
+_rows("gateway", "none", "models[].overflow.", "enabled threshold_ms hysteresis miss_quantile miss_floor "
+      "providers signal_window_s cold_service_s cold_ttft_s local_first_token_timeout_s prefill_gate policy "
+      "ttft_timeout_ms hedge_after_ms")
 
 APPLIED_LIVE: frozenset[str] = frozenset({
     *(path for path in CLASSIFICATION if path.startswith("providers[]") and path != "providers[].api_key_env"),
@@ -119,6 +119,7 @@ APPLIED_LIVE: frozenset[str] = frozenset({
     "models[].overflow.threshold_ms", "models[].overflow.policy", "models[].overflow.ttft_timeout_ms",
     "models[].overflow.hedge_after_ms", "models[].overflow.enabled", "models[].overflow.hysteresis",
     "models[].overflow.cold_service_s", "models[].overflow.cold_ttft_s", "models[].overflow.prefill_gate",
+    "models[].overflow.miss_floor",
     "budget.on_exhausted",
 })
 """The gateway settings ``lmfleet apply`` carries out on a running fleet (a subset of the ``none`` rows: what every

@@ -23,6 +23,14 @@ class OverflowPolicyConfig(Strict):
         "threshold_ms/2 or more, at most threshold_ms/2. Raise it (0.95) when a request over the threshold costs more than a provider call; "
         "lower it (0.5) to spend less; null: the estimate alone decides (docs/overflow.md, the miss margin)."
     )
+    miss_floor: float = Field(
+        0.15, ge=0, le=0.5, description="The least margin (a share of threshold_ms) once the miss margin is learned: "
+        "a request predicted within miss_floor x threshold_ms of the threshold goes to a provider even when the "
+        "recent requests near it waited no longer than predicted (those predicted just under the threshold are few "
+        "among the samples and are late more often than the rest). Raise it where a first token just over the "
+        "threshold costs more than a provider call; 0: the learned margin alone decides. Unused with "
+        "miss_quantile null."
+    )
     providers: list[str] | None = Field(None, description="Provider names in priority order. Null: all, in file order.")
     signal_window_s: float = Field(
         30.0, gt=0, description="Trailing window (busy seconds) over which the local drain rate and TTFT are measured."

@@ -209,8 +209,8 @@ def build_gateway(fleet: FleetConfig, apps: list[ModelApp], *, serve_url: str, h
             app=a, tokenizer=tokenizer, local=LocalBackend(c, a.base_url(serve_url), local_client, tracker, health, meter),
             providers=backends, threshold_ms=a.threshold_ms,
             queue=DispatchQueue(_queue_slots(a)) if fleet.tenants else None,
-            timers=PolicyTimers.from_config(c.overflow), margin=MissMargin(c.overflow.miss_quantile),
-            prefill_gate=c.overflow.prefill_gate)
+            timers=PolicyTimers.from_config(c.overflow),
+            margin=MissMargin(c.overflow.miss_quantile, c.overflow.miss_floor), prefill_gate=c.overflow.prefill_gate)
 
     models: dict[str, ServedModel] = {
         a.name: served(a, load_tokenizer(a), [providers[p.name] for p in providers_for(a.cfg, fleet.providers)])

@@ -8,8 +8,8 @@ request predicted at 1.7 s against a 2.5 s threshold is kept local, and a fair s
 what happened to the requests it kept local::
 
     errors = [realised - predicted for the recent local requests predicted within BAND x threshold]
-    margin = clamp(quantile(errors, q), 0, CAP x threshold)      once MIN_SAMPLES of them are in the window
-    margin = PRIOR x CAP x threshold                             until then
+    margin = clamp(quantile(errors, q), FLOOR x threshold, CAP x threshold)   once MIN_SAMPLES of them are in
+    margin = PRIOR x CAP x threshold                                          until then
 
 Only requests whose estimate was near the threshold count (an idle engine's requests, predicted at the prefill
 time, say nothing about the queued ones; a request predicted far above it, kept local by a forced mode, says
@@ -34,6 +34,13 @@ in, they decide. A request to an idle engine (nothing in flight) gets no prior: 
 keeps local samples coming (were every request spilled on the prior, the engine would go idle and the next one
 would stay local), also on a new gateway whose cold estimate is near a low threshold.
 
+``FLOOR`` is ``overflow.miss_floor`` (0.15 by default). The samples mix requests predicted near half the
+threshold, which are many and rarely far off, with those predicted just under it, which are few and late more
+often: on twelve replays with the prefill gate on (docs/benchmarks.md, the miss floor), the local requests
+predicted at 0.8-1.0 x threshold waited a median 116 ms longer than predicted and 10 of 43 missed the threshold,
+while the learned margin at those misses was 0-342 ms. The floor sends a request predicted within
+``FLOOR x threshold`` of the threshold to a provider even when the samples say the estimate has been right.
+
 ``q`` is ``overflow.miss_quantile``: 0.9 keeps about one in ten of these near-threshold requests missing the
 threshold by more than the margin; higher spends more on providers for fewer misses. The estimate itself (the
 ``x-lmfleet-queue-estimate-ms`` header, the ledger's ``predicted_wait_ms``) is unchanged: the margin moves the
@@ -48,12 +55,15 @@ from collections.abc import Sequence
 
 from lmfleet.overflow.estimate_error import percentile
 
-__all__ = ["BAND", "CAP", "MIN_SAMPLES", "PRIOR", "WINDOW_S", "MissMargin", "applied_margin_ms", "miss_margin_ms"]
+__all__ = ["BAND", "CAP", "FLOOR", "MIN_SAMPLES", "PRIOR", "WINDOW_S", "MissMargin", "applied_margin_ms",
+           "check_floor", "miss_margin_ms"]
 
 BAND = (0.5, 1.5)
 """Requests predicted within these shares of the threshold inform the margin."""
 CAP = 0.5
 """The margin is at most this share of the threshold."""
+FLOOR = 0.15
+"""The learned margin is at least this share of the threshold (``overflow.miss_floor``'s default)."""
 MIN_SAMPLES = 8
 """The learned margin needs this many near-threshold requests in the window; until then the prior applies."""
 PRIOR = 0.6
@@ -64,18 +74,19 @@ MAX_SAMPLES = 64
 
 
 def miss_margin_ms(errors: Sequence[float], quantile: float | None, cap_ms: float,
-                   min_samples: int = MIN_SAMPLES, idle: bool = False) -> float:
+                   min_samples: int = MIN_SAMPLES, idle: bool = False, floor_ms: float = 0.0) -> float:
     """The margin (ms) from the recent ``realised - predicted`` errors (module docstring). Pure.
 
     0 with ``quantile`` None (no margin); with fewer than ``min_samples`` errors the prior, ``PRIOR x cap_ms``
     (0 when ``idle``: nothing in flight locally); else the errors' ``quantile`` (0-1, linear interpolation), at
-    least 0 and at most ``cap_ms``.
+    least ``floor_ms`` (and 0) and at most ``cap_ms``.
     """
     if quantile is None:
         return 0.0
+    cap_ms = max(0.0, cap_ms)
     if len(errors) < min_samples:
-        return 0.0 if idle else PRIOR * max(0.0, cap_ms)
-    return min(max(0.0, percentile(errors, 100.0 * quantile)), max(0.0, cap_ms))
+        return 0.0 if idle else PRIOR * cap_ms
+    return min(max(0.0, floor_ms, percentile(errors, 100.0 * quantile)), cap_ms)
 
 
 def applied_margin_ms(estimate_ms: float, margin_ms: float, threshold_ms: float) -> float:
@@ -87,10 +98,12 @@ def applied_margin_ms(estimate_ms: float, margin_ms: float, threshold_ms: float)
 class MissMargin:
     """The recent near-threshold errors of one model's estimate, and the margin they give (module docstring)."""
 
-    def __init__(self, quantile: float | None = 0.9, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES):
+    def __init__(self, quantile: float | None = 0.9, floor: float = FLOOR, window_s: float = WINDOW_S,
+                 max_samples: int = MAX_SAMPLES):
         if quantile is not None and not 0 < quantile < 1:
             raise ValueError(f"quantile={quantile} must be within (0, 1), or None for no margin")
         self.quantile = quantile
+        self.floor = check_floor(floor)
         self.window_s = window_s
         self._samples: deque[tuple[float, float, float]] = deque(maxlen=max_samples)
 
@@ -111,11 +124,18 @@ class MissMargin:
         while s and s[0][0] < horizon:
             s.popleft()
         return miss_margin_ms([e for _, p, e in s if _near(p, threshold_ms)], self.quantile, CAP * threshold_ms,
-                              idle=idle)
+                              idle=idle, floor_ms=self.floor * threshold_ms)
 
     def __len__(self) -> int:
         """Samples held (some may be older than the window until the next :meth:`margin_ms`)."""
         return len(self._samples)
+
+
+def check_floor(floor: float) -> float:
+    """``floor`` as a share of the threshold, within 0 to ``CAP``; ValueError otherwise."""
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor <= CAP:
+        raise ValueError(f"miss_floor must be a number from 0 to {CAP} (a share of threshold_ms), got {floor!r}")
+    return float(floor)
 
 
 def _near(predicted_ms: float, threshold_ms: float) -> bool:

@@ -2,7 +2,8 @@
 
     GET    /admin/state                  the running fleet's version; per model: load, estimate, mode, replicas;
                                          per provider: breaker
-    POST   /admin/overflow               a model's (or every model's) overflow mode, threshold and policy, now
+    POST   /admin/overflow               a model's (or every model's) overflow mode, threshold, policy, prefill gate
+                                         and miss floor, now
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lmfleet.gateway.front.errors import GatewayError
 from lmfleet.gateway.routing.router import ServedModel
 from lmfleet.gateway.service import Gateway
 from lmfleet.overflow import OverflowMode
+from lmfleet.overflow.margin import check_floor
 from lmfleet.overflow.policies import Policy, PolicyTimers
 
 log = logging.getLogger("lmfleet.gateway")
@@ -41,6 +43,7 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
                 "queued_estimate": max(0, s.in_flight - m.app.capacity),
                 "queue_estimate_ms": round(gw.router.estimate(m, s), 1), "threshold_ms": m.threshold_ms,
                 "miss_margin_ms": round(m.margin.margin_ms(m.threshold_ms, idle=s.in_flight == 0), 1),
+                "miss_floor": m.margin.floor,
                 "mode": m.mode.value, "overflowing": m.hysteresis.overflowing, "drain_rps": s.drain_rps,
                 "recent_ttft_s": s.ttft_s, "base_ttft_s": s.base_ttft_s,
                 "engine_running": s.engine_running, "engine_waiting": s.engine_waiting,
@@ -75,6 +78,12 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
         if gate is not None and not isinstance(gate, bool) and gate != "auto":
             raise GatewayError(400, f"prefill_gate must be true, false or \"auto\", got {gate!r}",
                                param="prefill_gate")
+        floor = body.get("miss_floor")
+        if floor is not None:
+            try:
+                floor = check_floor(floor)
+            except ValueError as e:
+                raise GatewayError(400, str(e), param="miss_floor") from None
         timers = {m.name: _policy_timers(m, body) for m in targets}
         for m in targets:
             if mode is not None:
@@ -84,12 +93,14 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
             m.timers = timers[m.name]
             if gate is not None:
                 m.prefill_gate = gate
+            if floor is not None:
+                m.margin.floor = floor
         log.info("admin: overflow for %s set to mode=%s threshold_ms=%s policy=%s", [m.name for m in targets], mode,
                  thr, body.get("policy"))
         return {"models": {m.name: {"mode": m.mode.value, "threshold_ms": m.threshold_ms,
                                     "policy": m.timers.policy.value, "ttft_timeout_ms": m.timers.ttft_timeout_ms,
                                     "hedge_after_ms": m.timers.hedge_after_ms, "prefill_gate": m.prefill_gate,
-                                    "prefill_gate_on": m.gated}
+                                    "prefill_gate_on": m.gated, "miss_floor": m.margin.floor}
                            for m in targets}}
 
     return r

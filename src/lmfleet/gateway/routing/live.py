@@ -11,9 +11,10 @@ What "a request finishes under the settings it was admitted with" rests on:
   was admitted;
 * the budget (its caps, ``on_exhausted``) is replaced by one assignment each in the router and the spend guard;
   a reservation already held stays;
-* a model's provider list is replaced by one assignment, as are its threshold, its policy timers and its
-  overflow section (``enabled``, ``hysteresis``, the cold-start figures: read by the router at admission); a
-  request run copies the timers and the threshold when it starts (:class:`~lmfleet.gateway.relay.run.RequestRun`).
+* a model's provider list is replaced by one assignment, as are its threshold, its policy timers, its prefill
+  gate setting, its miss floor and its overflow section (``enabled``, ``hysteresis``, the cold-start figures: read
+  by the router at admission); a request run copies the timers and the threshold when it starts
+  (:class:`~lmfleet.gateway.relay.run.RequestRun`).
 
 Values the operator changed at run time (``POST /admin/overflow``) stay unless the new version changes that key.
 
@@ -170,6 +171,8 @@ class LiveFleet:
                 m.timers = PolicyTimers.from_config(n)
             if n.prefill_gate != o.prefill_gate:
                 m.prefill_gate = n.prefill_gate
+            if n.miss_floor != o.miss_floor:
+                m.margin.floor = n.miss_floor
 
     def _swap_tenants(self, old: FleetConfig, new: FleetConfig) -> None:
         """Each kept tenant's new settings: what a reverted run-time setting goes back to, and in force unless an
