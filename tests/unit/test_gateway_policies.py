@@ -232,6 +232,31 @@ async def test_the_miss_floor_spills_an_estimate_just_under_the_threshold_when_t
     assert (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]["miss_floor"] == 0
 
 
+async def test_the_miss_floor_applies_to_an_idle_engine_once_its_prefill_line_is_measured(tmp_path):
+    app = make_gateway(tmp_path, ok_local, {"p": provider_ok})
+    c = await started_client(app)
+    m = app.state.gateway.models["m"]
+    for prompt in (100, 600, 1100, 1600, 2100):  # unqueued requests: TTFT 0.2 s + 0.5 ms per prompt token
+        t = m.local.tracker.on_start(prompt_tokens=prompt)
+        m.local.tracker.on_first_token(t, ttft_s=0.2 + 0.0005 * prompt)
+        m.local.tracker.on_finish(t, 5)
+    assert m.local.tracker.snapshot().line_measured
+    await _policy(c, threshold_ms=5000)
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    estimate = float(r.headers["x-lmfleet-queue-estimate-ms"])  # the line's value at this prompt
+    assert r.headers["x-lmfleet-served-by"] == "local/m" and len(m.margin) == 0
+    threshold = round(estimate / 0.95)  # 0.95 x the threshold: within the floor (0.15) of it
+    await _policy(c, threshold_ms=threshold)
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.headers["x-lmfleet-served-by"] == "provider/p"  # idle, no samples: the floor, not 0 nor the prior
+    state = (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]
+    assert state["miss_margin_ms"] == pytest.approx(0.15 * threshold, abs=0.1)
+    await _policy(c, miss_floor=0)
+    m.hysteresis = HysteresisState(overflowing=False)
+    r = await c.post("/v1/chat/completions", json=CHAT)
+    assert r.headers["x-lmfleet-served-by"] == "local/m"  # no floor: the estimate alone
+
+
 async def test_the_margins_prior_spills_near_the_threshold_while_the_engine_is_busy_never_when_idle(tmp_path):
     app = make_gateway(tmp_path, slow(["w"], 1.0), {"p": provider_ok})
     c = await started_client(app)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 
@@ -146,6 +147,18 @@ def test_dataset_rows_written_then_read_by_trace(tmp_path):
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         read_datasets([tmp_path / "bad.jsonl"])
+
+
+def test_read_datasets_reads_gzip_and_takes_one_policy_of_a_file(tmp_path):
+    rows = [{**row(900.0, 1000.0), "trace": None, "policy": "predictive"},
+            {**row(500.0, 400.0), "trace": None, "policy": "hedge"}]
+    gz = tmp_path / "run.jsonl.gz"
+    gz.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    got = read_datasets([gz])
+    assert [r["policy"] for r in got["run.jsonl"]] == ["predictive", "hedge"]  # no trace: the file's stem
+    assert [r["policy"] for r in read_datasets([gz], {gz: "hedge"})["run.jsonl"]] == ["hedge"]
+    with pytest.raises(ValueError, match=r"no row of policy 'ttft_timeout' \(policies in the file: hedge, predictive"):
+        read_datasets([gz], {gz: "ttft_timeout"})
 
 
 # --- replaying another prefill rule ------------------------------------------------------------------------------

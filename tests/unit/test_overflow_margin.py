@@ -39,7 +39,24 @@ def test_miss_margin(errors, quantile, cap, expected):
 def test_the_learned_margin_is_at_least_the_floor(errors, quantile, floor, expected):
     assert miss_margin_ms(errors, quantile, 1250, floor_ms=floor) == pytest.approx(expected)
     assert miss_margin_ms(errors, quantile, 1250, floor_ms=floor, idle=True) == pytest.approx(
-        0.0 if not errors else expected)                       # an idle engine: no prior, and no floor before it
+        0.0 if not errors else expected)                       # an idle engine, cold estimate: no prior, no floor
+
+
+@pytest.mark.parametrize("errors,quantile,floor,measured,expected", [
+    ([], 0.9, 375, True, 375.0),                               # idle, prefill line measured: the floor
+    ([900.0] * (MIN_SAMPLES - 1), 0.9, 375, True, 375.0),      # too few samples: still the floor, not the prior
+    ([], 0.9, 375, False, 0.0),                                # the cold estimate (or a stale line): nothing
+    ([], 0.9, 0.0, True, 0.0),                                 # miss_floor 0: nothing
+    ([], 0.9, 2000, True, 1250.0),                             # capped
+    ([], None, 375, True, 0.0),                                # miss_quantile null: no margin at all
+    ([900.0] * MIN_SAMPLES, 0.9, 375, True, 900.0),            # learned: as on a busy engine
+    ([-500.0] * MIN_SAMPLES, 0.9, 375, False, 375.0),
+])
+def test_an_idle_engine_with_a_measured_prefill_line_gets_the_floor(errors, quantile, floor, measured, expected):
+    assert miss_margin_ms(errors, quantile, 1250, floor_ms=floor, idle=True, measured=measured) == pytest.approx(
+        expected)
+    assert miss_margin_ms(errors, quantile, 1250, floor_ms=floor, idle=False, measured=measured) == pytest.approx(
+        miss_margin_ms(errors, quantile, 1250, floor_ms=floor))  # busy: ``measured`` changes nothing
 
 
 @pytest.mark.parametrize("errors,expected", [

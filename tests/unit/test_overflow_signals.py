@@ -2,7 +2,7 @@
 
 import pytest
 
-from lmfleet.overflow.signals import LoadTracker
+from lmfleet.overflow.signals import LoadTracker, QueueSignals
 
 
 def _run(tracker, requests, until):
@@ -106,6 +106,19 @@ def test_base_ttft_outlives_the_window_but_not_prefill_ttl(now, ttft, base, stal
     assert s.ttft_s == ttft
     assert s.base_ttft_s == base
     assert s.prefill_stale is stale
+
+
+@pytest.mark.parametrize("base,slope,stale,measured", [
+    (0.4, 0.001, False, True),    # a base TTFT and a slope from this engine's requests
+    (0.4, None, False, False),    # no slope yet: the prompt's length is not in the estimate
+    (None, None, False, False),   # nothing measured: the cold estimate
+    (0.4, 0.001, True, False),    # stale: the estimate is capped by the cold one
+])
+def test_line_measured(base, slope, stale, measured):
+    s = QueueSignals(now=0.0, in_flight=0, drain_rps=None, output_tps=None, ttft_s=None, base_ttft_s=base,
+                     completions_in_window=0, prefill_s_per_token=slope, base_prefill_tokens=300.0,
+                     prefill_stale=stale)
+    assert s.line_measured is measured
 
 
 def test_a_slow_base_ttft_from_a_burst_does_not_hold_an_idle_engine_above_the_threshold():

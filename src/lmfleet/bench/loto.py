@@ -97,11 +97,12 @@ def append_rows(path: Path | None, rows: Sequence[Mapping[str, Any]]) -> None:
 def read_datasets(paths: Sequence[Path], policies: Mapping[Path, str] | None = None) -> dict[str, list[dict]]:
     """Rows by trace from JSON-lines files, gzipped where the name ends in ``.gz`` (a row without ``trace`` takes
     its file's stem); only rows with an admission record and a realised wait, and, for a file in ``policies``, only
-    that policy's rows."""
+    that policy's rows: a ``ValueError`` names the policies the file has when none of its rows is that policy's."""
     by: dict[str, list[dict]] = defaultdict(list)
     for path in paths:
         text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
         only = (policies or {}).get(path)
+        seen: set[str] = set()
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -109,10 +110,13 @@ def read_datasets(paths: Sequence[Path], policies: Mapping[Path, str] | None = N
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            seen.add(str(row.get("policy")))
             if only is not None and row.get("policy") != only:
                 continue
             if row.get("admission") is not None and row.get("realised_wait_ms") is not None:
                 by[str(row.get("trace") or path.stem)].append(row)
+        if only is not None and only not in seen:
+            raise ValueError(f"{path}: no row of policy {only!r} (policies in the file: {', '.join(sorted(seen))})")
     return dict(by)
 
 

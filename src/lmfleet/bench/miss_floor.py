@@ -6,10 +6,11 @@ margin the route weighed (its ``admission`` record). A floor ``f`` raises a lear
 where the margin applies (an estimate of ``BAND[0] x threshold`` or more, :func:`lmfleet.overflow.margin.
 applied_margin_ms`): a row whose estimate plus that margin passes the threshold would have gone to a provider. Of
 those, the ones whose realised wait passed the threshold are misses the floor catches; the rest are spills it
-adds. A row recorded with the prior (no learned margin yet) or with no margin on an idle engine keeps its margin
-(the floor applies to a learned margin only); a learned margin of exactly 0 on an idle engine is counted as the
-latter. What this leaves out: a spilled request no longer holds a slot, so the requests after it would have waited
-less (the figures are for the recorded queue, which errs towards more misses).
+adds. A row recorded with the prior (no learned margin yet) keeps its margin; one recorded with no margin on an
+idle engine gets the floor where its estimate came from a measured prefill line (``idle``, as the gateway does,
+:func:`lmfleet.overflow.margin.miss_margin_ms`), else keeps it (a learned margin of exactly 0 on an idle engine counts
+as no margin). What this leaves out: a spilled request no longer holds a slot, so the requests after it
+would have waited less (the figures are for the recorded queue, which errs towards more misses).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lmfleet.overflow.admission import Admission
 from lmfleet.overflow.estimators import admission_of
 from lmfleet.overflow.margin import BAND, CAP, PRIOR
 
@@ -48,14 +50,19 @@ class FloorPick:
     """What it does on the held-out trace."""
 
 
-def _learned(margin_ms: float, threshold_ms: float, in_flight: int) -> bool:
-    if margin_ms == PRIOR * CAP * threshold_ms:
+def _floored(a: Admission, idle: bool) -> bool:
+    """Whether the floor applies to the margin recorded in ``a`` (module docstring)."""
+    if a.margin_ms == PRIOR * CAP * a.threshold_ms:
         return False
-    return not (margin_ms == 0 and in_flight == 0)
+    if a.margin_ms == 0 and a.signals.in_flight == 0:
+        return idle and a.signals.line_measured
+    return True
 
 
-def floor_counts(rows: Sequence[Mapping], floor: float) -> FloorCount:
-    """The rows' misses, and what a miss floor of ``floor`` (a share of each row's threshold) would have spilled."""
+def floor_counts(rows: Sequence[Mapping], floor: float, idle: bool = True) -> FloorCount:
+    """The rows' misses, and what a miss floor of ``floor`` (a share of each row's threshold) would have spilled;
+    ``idle``: also on an idle engine with a measured prefill line (the gateway's rule), else on a learned margin
+    only."""
     local = missed = caught = added = 0
     for r in rows:
         a = admission_of(r)
@@ -63,7 +70,7 @@ def floor_counts(rows: Sequence[Mapping], floor: float) -> FloorCount:
         miss = float(r["realised_wait_ms"]) > thr
         local += 1
         missed += miss
-        if est >= BAND[0] * thr and _learned(float(a.margin_ms), thr, int(a.signals.in_flight)):
+        if est >= BAND[0] * thr and _floored(a, idle):
             applied = max(applied, floor * thr)
         if est + applied > thr:
             caught += miss

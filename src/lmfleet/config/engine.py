@@ -68,6 +68,7 @@ class EngineConfig(Strict):
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables for the engine's processes (e.g. NCCL_* or VLLM_CPU_OMP_THREADS_BIND). "
+        "CPU engines get LD_PRELOAD (tcmalloc, where installed) and VLLM_USE_AOT_COMPILE=0 unless set here. "
         "Not for secrets: Ray's dashboard shows them (lmfleet's own output masks values whose names say they are secrets).",
     )
     log_metrics: bool = Field(

@@ -24,7 +24,8 @@ class OverflowPolicyConfig(Strict):
         "lower it (0.5) to spend less; null: the estimate alone decides (docs/overflow.md, the miss margin)."
     )
     miss_floor: float = Field(
-        0.15, ge=0, le=0.5, description="The least margin (a share of threshold_ms) once the miss margin is learned: "
+        0.15, ge=0, le=0.5, description="The least margin (a share of threshold_ms) once the miss margin is learned, "
+        "and the margin of an idle engine whose prefill line is measured: "
         "a request predicted within miss_floor x threshold_ms of the threshold goes to a provider even when the "
         "recent requests near it waited no longer than predicted (those predicted just under the threshold are few "
         "among the samples and are late more often than the rest). Raise it where a first token just over the "

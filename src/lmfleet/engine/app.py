@@ -135,11 +135,22 @@ def with_tcmalloc(env: dict[str, str], device: str, tcmalloc: str | None) -> dic
     return {**env, "LD_PRELOAD": tcmalloc}
 
 
+def with_compile_cache(env: dict[str, str], device: str) -> dict[str, str]:
+    """A CPU engine's environment with ``VLLM_USE_AOT_COMPILE=0``: vLLM 0.32's CPU build fails to load its own AOT
+    compile cache ("'function' object has no attribute 'finalize_loading'") and compiles again at every start;
+    without AOT, torch's own Inductor cache serves the later starts (benchmarks/bench_engine_start.py ``+noaot``).
+    Left as it is for GPU engines and when the fleet file sets ``engine.env.VLLM_USE_AOT_COMPILE`` itself."""
+    if device != "cpu" or "VLLM_USE_AOT_COMPILE" in env:
+        return env
+    return {**env, "VLLM_USE_AOT_COMPILE": "0"}
+
+
 def engine_env(model: ModelConfig) -> dict[str, str]:
     env: dict[str, str] = dict(model.engine.env)
     if model.engine.cpu_kvcache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(model.engine.cpu_kvcache_space_gib)
-    return with_tcmalloc(env, engine_device(model), find_tcmalloc())
+    device = engine_device(model)
+    return with_compile_cache(with_tcmalloc(env, device, find_tcmalloc()), device)
 
 
 def engine_device(model: ModelConfig) -> str:

@@ -32,7 +32,12 @@ overflow benchmark (predicted at 0.74-0.98 x threshold, waited 1.2-1.6 x thresho
 at the start of a burst (a request predicted at 0.7 x threshold or more goes to the provider); once the samples are
 in, they decide. A request to an idle engine (nothing in flight) gets no prior: it waits for no one, and it is what
 keeps local samples coming (were every request spilled on the prior, the engine would go idle and the next one
-would stay local), also on a new gateway whose cold estimate is near a low threshold.
+would stay local), also on a new gateway whose cold estimate is near a low threshold. Once the engine's prefill line
+is measured (``measured``: :attr:`~lmfleet.overflow.signals.QueueSignals.line_measured`), an idle engine gets the
+floor instead: its estimate is the line's value for the prompt, and a long prompt predicted just under the threshold
+misses it about as often as a queued request does (34 replays: 6 such misses caught, 2 spills added), while short
+prompts, predicted far below, keep the samples coming; a stale line gets nothing, so one request goes local and
+measures it again.
 
 ``FLOOR`` is ``overflow.miss_floor`` (0.15 by default). The samples mix requests predicted near half the
 threshold, which are many and rarely far off, with those predicted just under it, which are few and late more
@@ -74,18 +79,22 @@ MAX_SAMPLES = 64
 
 
 def miss_margin_ms(errors: Sequence[float], quantile: float | None, cap_ms: float,
-                   min_samples: int = MIN_SAMPLES, idle: bool = False, floor_ms: float = 0.0) -> float:
+                   min_samples: int = MIN_SAMPLES, idle: bool = False, floor_ms: float = 0.0,
+                   measured: bool = False) -> float:
     """The margin (ms) from the recent ``realised - predicted`` errors (module docstring). Pure.
 
-    0 with ``quantile`` None (no margin); with fewer than ``min_samples`` errors the prior, ``PRIOR x cap_ms``
-    (0 when ``idle``: nothing in flight locally); else the errors' ``quantile`` (0-1, linear interpolation), at
+    0 with ``quantile`` None (no margin); with fewer than ``min_samples`` errors the prior, ``PRIOR x cap_ms``,
+    except when ``idle`` (nothing in flight locally): then ``floor_ms`` where the estimate comes from a
+    ``measured`` prefill line, else 0; with enough errors their ``quantile`` (0-1, linear interpolation), at
     least ``floor_ms`` (and 0) and at most ``cap_ms``.
     """
     if quantile is None:
         return 0.0
     cap_ms = max(0.0, cap_ms)
     if len(errors) < min_samples:
-        return 0.0 if idle else PRIOR * cap_ms
+        if idle:
+            return min(max(0.0, floor_ms), cap_ms) if measured else 0.0
+        return PRIOR * cap_ms
     return min(max(0.0, floor_ms, percentile(errors, 100.0 * quantile)), cap_ms)
 
 
@@ -114,9 +123,11 @@ class MissMargin:
             return
         self._samples.append((time.monotonic() if now is None else now, predicted_ms, realised_ms - predicted_ms))
 
-    def margin_ms(self, threshold_ms: float, now: float | None = None, idle: bool = False) -> float:
+    def margin_ms(self, threshold_ms: float, now: float | None = None, idle: bool = False,
+                  measured: bool = False) -> float:
         """The margin to add to the estimate before it is compared with ``threshold_ms``; ``idle``: nothing is in
-        flight locally (no prior)."""
+        flight locally (no prior); ``measured``: the estimate comes from a measured prefill line
+        (:attr:`~lmfleet.overflow.signals.QueueSignals.line_measured`), so an idle engine gets the floor."""
         if self.quantile is None:
             return 0.0
         horizon = (time.monotonic() if now is None else now) - self.window_s
@@ -124,7 +135,7 @@ class MissMargin:
         while s and s[0][0] < horizon:
             s.popleft()
         return miss_margin_ms([e for _, p, e in s if _near(p, threshold_ms)], self.quantile, CAP * threshold_ms,
-                              idle=idle, floor_ms=self.floor * threshold_ms)
+                              idle=idle, floor_ms=self.floor * threshold_ms, measured=measured)
 
     def __len__(self) -> int:
         """Samples held (some may be older than the window until the next :meth:`margin_ms`)."""

@@ -131,6 +131,11 @@ class QueueSignals:
     busy_s: float = 0.0
     """Seconds of the window with a local request of this gateway in flight (the drain rate's denominator)."""
 
+    @property
+    def line_measured(self) -> bool:
+        """The prefill line has a base TTFT and a slope from this engine's requests and is not stale."""
+        return self.base_ttft_s is not None and self.prefill_s_per_token is not None and not self.prefill_stale
+
 
 @dataclass(frozen=True)
 class Ticket:
@@ -148,12 +153,8 @@ def prefill_slope(samples: list[tuple[float, float]], min_spread: float = PREFIL
                   min_pairs: int = PREFILL_MIN_PAIRS) -> float | None:
     """Theil-Sen slope of ``(prefill_tokens, ttft_s)`` samples: the median of the pairwise slopes of pairs at least
     ``min_spread`` tokens apart, clamped at 0; None with fewer than ``min_pairs`` such pairs. Pure; O(n^2)."""
-    slopes = []
-    for i, (xi, yi) in enumerate(samples):
-        for xj, yj in samples[i + 1:]:
-            dx = xj - xi
-            if abs(dx) >= min_spread:
-                slopes.append((yj - yi) / dx)
+    slopes = [(yj - yi) / (xj - xi) for i, (xi, yi) in enumerate(samples) for xj, yj in samples[i + 1:]
+              if abs(xj - xi) >= min_spread]
     if len(slopes) < min_pairs:
         return None
     return max(0.0, median(slopes))

@@ -211,9 +211,9 @@ class Router:
         if guard is not None and store_down:
             guard.probe_if_due()  # the route reopens once a probe gets through
         # the decision weighs the estimate plus the miss margin (how much longer than predicted recent requests near
-        # the threshold waited, or its prior while too few did and the engine is busy); the plan, its header and the
-        # ledger keep the estimate itself
-        margin = m.margin.margin_ms(m.threshold_ms, idle=signals.in_flight == 0)
+        # the threshold waited, or its prior while too few did and the engine is busy, or the floor on an idle engine
+        # with a measured prefill line); the plan, its header and the ledger keep the estimate itself
+        margin = m.margin.margin_ms(m.threshold_ms, idle=signals.in_flight == 0, measured=signals.line_measured)
         self._child(self.metrics.miss_margin, m.name).set(margin)
         book = self.tenants
         admitted = tenant is not None and cls is not None and book is not None
