@@ -91,3 +91,13 @@ def test_empty_run_builds():
     r = build_report([], warmup=0.0)
     assert r["overall"]["requests"] == 0 and check_consistency(r) == []
     assert "data:image/png" in render_html(r)
+
+
+def test_tables_to_a_pipe_keep_every_row_label_on_one_line(report, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    render_tables(report)  # stdout captured: not a terminal (rich alone would fold the tables at 80 columns)
+    text = capsys.readouterr().out
+    assert "Throughput (output tok/s)" in text and "TTFT P50 / P99 (ms)" in text
+    buf = io.StringIO()
+    render_tables(report, Console(file=buf, width=80))
+    assert "Throughput (output tok/s)" not in buf.getvalue()  # what a pipe got before: the label over two lines

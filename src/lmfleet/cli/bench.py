@@ -156,7 +156,7 @@ def run(url: str = O["url"], model: str = O["model"], api_key: Optional[str] = O
     except BenchInputError as e:
         fail(str(e), EXIT_USAGE)
     report = run_benchmark(spec, pool, console=None if quiet else console)
-    render_tables(report, Console())
+    render_tables(report)
     paths = write_outputs(report, out)
     for problem in check_consistency(report):
         typer.echo(f"lmfleet: warning: {problem}", err=True)

@@ -35,7 +35,7 @@ keeps local samples coming (were every request spilled on the prior, the engine 
 would stay local), also on a new gateway whose cold estimate is near a low threshold. Once the engine's prefill line
 is measured (``measured``: :attr:`~lmfleet.overflow.signals.QueueSignals.line_measured`), an idle engine gets the
 floor instead: its estimate is the line's value for the prompt, and a long prompt predicted just under the threshold
-misses it about as often as a queued request does (34 replays: 6 such misses caught, 2 spills added), while short
+often misses it (34 replays: 6 of the 8 idle requests within the floor of the threshold missed it), while short
 prompts, predicted far below, keep the samples coming; a stale line gets nothing, so one request goes local and
 measures it again.
 
