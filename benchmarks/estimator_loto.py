@@ -140,8 +140,8 @@ def miss_floors(datasets: dict[str, list[dict]], source: str, floors: list[float
              "| trace | kept local | missed | " + " | ".join(f"floor {f:g}: caught / added" for f in floors) + " |",
              "|---|---|---|" + "---|" * len(floors)]
     total = {f: [0, 0] for f in floors}
-    for trace, rows in datasets.items():
-        counts = [floor_counts(rows, f) for f in floors]
+    by_trace = {trace: [floor_counts(rows, f) for f in floors] for trace, rows in datasets.items()}
+    for trace, counts in by_trace.items():
         for f, c in zip(floors, counts):
             total[f][0] += c.caught
             total[f][1] += c.added
@@ -154,8 +154,8 @@ def miss_floors(datasets: dict[str, list[dict]], source: str, floors: list[float
     idle_total = {f: [0, 0] for f in floors}
     for trace, rows in datasets.items():
         parts = []
-        for f in floors:
-            on, off = floor_counts(rows, f), floor_counts(rows, f, idle=False)
+        for f, on in zip(floors, by_trace[trace]):
+            off = floor_counts(rows, f, idle=False)
             idle_total[f][0] += on.caught - off.caught
             idle_total[f][1] += on.added - off.added
             parts.append(f"{on.caught - off.caught} / {on.added - off.added}")

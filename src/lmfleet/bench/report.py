@@ -117,15 +117,15 @@ TABLE_ROWS: list[tuple[str, Any]] = [
 ]
 
 
+TABLE_WIDTH = 200
+"""Columns the tables may take when stdout is not a terminal (a table takes only what it needs)."""
+
+
 def table_console() -> Console:
     """Where the tables go: the terminal's width on a terminal; to a file or a pipe, room for every column (rich
     would fold them at 80 columns, breaking row labels over lines)."""
     plain = Console()
     return plain if plain.is_terminal else Console(width=max(plain.width, TABLE_WIDTH))
-
-
-TABLE_WIDTH = 200
-"""Columns the tables may take when stdout is not a terminal (a table takes only what it needs)."""
 
 
 def render_tables(report: dict[str, Any], console: Console | None = None) -> None:
