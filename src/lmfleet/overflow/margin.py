@@ -59,6 +59,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from lmfleet.overflow.estimate_error import percentile
+from lmfleet.overflow.signals import QueueSignals
 
 __all__ = ["BAND", "CAP", "FLOOR", "MIN_SAMPLES", "PRIOR", "WINDOW_S", "MissMargin", "applied_margin_ms",
            "check_floor", "miss_margin_ms"]
@@ -136,6 +137,11 @@ class MissMargin:
             s.popleft()
         return miss_margin_ms([e for _, p, e in s if _near(p, threshold_ms)], self.quantile, CAP * threshold_ms,
                               idle=idle, floor_ms=self.floor * threshold_ms, measured=measured)
+
+    def margin_for(self, threshold_ms: float, signals: QueueSignals) -> float:
+        """:meth:`margin_ms` for the model's load now: idle when nothing is in flight, the floor there once the
+        prefill line is measured."""
+        return self.margin_ms(threshold_ms, idle=signals.in_flight == 0, measured=signals.line_measured)
 
     def __len__(self) -> int:
         """Samples held (some may be older than the window until the next :meth:`margin_ms`)."""

@@ -213,7 +213,7 @@ class Router:
         # the decision weighs the estimate plus the miss margin (how much longer than predicted recent requests near
         # the threshold waited, or its prior while too few did and the engine is busy, or the floor on an idle engine
         # with a measured prefill line); the plan, its header and the ledger keep the estimate itself
-        margin = m.margin.margin_ms(m.threshold_ms, idle=signals.in_flight == 0, measured=signals.line_measured)
+        margin = m.margin.margin_for(m.threshold_ms, signals)
         self._child(self.metrics.miss_margin, m.name).set(margin)
         book = self.tenants
         admitted = tenant is not None and cls is not None and book is not None
