@@ -164,6 +164,19 @@ def wait_ready(url: str, timeout: float, procs: list[subprocess.Popen]) -> None:
     raise TimeoutError(url)
 
 
+def wait_engines_idle(url: str, timeout_s: float) -> float:
+    """Seconds waited until the engines report nothing running or waiting: requests of the previous arm that reached
+    them past the gateway (LiteLLM's, abandoned by their client at its timeout) would otherwise queue ahead of the
+    next arm, unseen by its gateway. No counts (metrics off, or an idle engine's series expired) count as idle."""
+    t0 = time.monotonic()
+    while True:
+        s = admin(url, "GET", "/admin/state")["models"][MODEL]
+        if (s["engine_running"] or 0) + (s["engine_waiting"] or 0) + s["in_flight"] == 0 \
+                or time.monotonic() - t0 >= timeout_s:
+            return time.monotonic() - t0
+        time.sleep(1)
+
+
 def load() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -432,6 +445,8 @@ def run(args: argparse.Namespace, url: str, litellm: dict[str, Endpoint] | None 
             set_policy(url, LOCAL_ONLY if name in litellm or name == ORACLE_PLAN else name, args.threshold_ms,
                        args.hedge_after_ms, args.ttft_timeout_ms)
             time.sleep(1 if args.smoke else 3)  # the previous arm's last streams end
+            if (waited := wait_engines_idle(url, 0 if args.smoke else 300)) >= 1:
+                print(f"before {name}: waited {waited:.0f} s for the engines to finish earlier requests", flush=True)
             since = time.time()
             salt += 1
             res = asyncio.run(replay(litellm.get(name, gateway), trace, args.seed, ignore_eos=True, salt=salt,

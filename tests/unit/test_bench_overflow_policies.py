@@ -220,3 +220,34 @@ def test_refit_oracle_from_a_saved_run():
     assert checked["plan_check"] == [{"round": 1, "local": 2, "missed": 1, "predicted": 0}]
     with pytest.raises(ValueError, match="no local only arm"):
         refit_oracle(summary, _records("predictive", 1, local))
+
+
+@pytest.mark.parametrize("states,polls", [
+    ([(0, 0, 0)], 1),  # idle at once
+    ([(None, None, 0)], 1),  # no engine counts (metrics off, or an idle engine's series expired): idle
+    ([(8, 0, 0), (8, 3, 0), (1, 0, 0), (0, 0, 0)], 4),  # requests that reached the engine past the gateway
+    ([(0, 0, 2), (0, 0, 0)], 2),  # the gateway's own streams still open
+])
+def test_each_arm_starts_on_idle_engines(bench, monkeypatch, states, polls):
+    """Between arms the bench waits for the engines to finish what earlier arms left (LiteLLM's abandoned
+    requests keep running past the gateway) so the next arm does not start behind an unseen backlog."""
+    seen = []
+
+    def admin(url, method, path, body=None):
+        running, waiting, in_flight = states[min(len(seen), len(states) - 1)]
+        seen.append(path)
+        return {"models": {bench.MODEL: {"engine_running": running, "engine_waiting": waiting,
+                                         "in_flight": in_flight}}}
+
+    monkeypatch.setattr(bench, "admin", admin)
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+    bench.wait_engines_idle("http://gw", 300)
+    assert seen == ["/admin/state"] * polls
+
+
+def test_a_smoke_run_reads_the_engines_once_and_goes_on(bench, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "admin", lambda *a, **k: seen.append(a) or {
+        "models": {bench.MODEL: {"engine_running": 8, "engine_waiting": 0, "in_flight": 0}}})
+    bench.wait_engines_idle("http://gw", 0)
+    assert len(seen) == 1

@@ -57,6 +57,22 @@ def test_connect_starts_a_head_with_our_environment(monkeypatch):
     monkeypatch.delenv("LMFLEET_TEST_FLAG")
 
 
+def test_a_local_head_passes_env_vars_to_its_job_only(monkeypatch):
+    """``env_vars`` reach the job's actors (runtime_env), not the head's own processes (its environment)."""
+    import os
+
+    import ray
+
+    from lmfleet.cluster import connect as mod
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("LMFLEET_TEST_JOB_FLAG", raising=False)
+    assert mod.connect(None, local=LocalHead(num_cpus=3), env_vars={"LMFLEET_TEST_JOB_FLAG": "1"}) is True
+    assert calls[0]["runtime_env"] == {"env_vars": {"LMFLEET_TEST_JOB_FLAG": "1"}}
+    assert "LMFLEET_TEST_JOB_FLAG" not in os.environ
+
+
 @pytest.mark.parametrize("address, env_vars, expected_address, runtime_env", [
     ("h:6379", {"A": "1"}, "h:6379", {"env_vars": {"A": "1"}}),
     ("h:6379", None, "h:6379", None),

@@ -41,6 +41,30 @@ def test_engine_and_ray_logs_reach_the_terminal_only_when_verbose(monkeypatch, v
     assert seen["logging_level"] == (logging.INFO if verbose else logging.WARNING)
 
 
+@pytest.mark.parametrize("address", ["10.0.0.1:6379", None])
+@pytest.mark.parametrize("operator", [None, "5000"])
+def test_the_engines_export_their_metrics_every_second_unless_the_operator_says(monkeypatch, address, operator):
+    """Ray's default metrics report (10 s) would leave the engine queue counts seconds old: lmfleet serve sets 1 s
+    for the job's actors (runtime_env) on a joined cluster and a local head; the operator's value wins."""
+    from lmfleet.config import parse_config
+    from lmfleet.serve import runner
+
+    seen = {}
+
+    def fake_connect(address, *, local=None, env_vars=None, **kwargs):
+        seen["env"], seen["head"] = dict(env_vars), dict(local.env) if local is not None else {}
+        return local is not None
+
+    monkeypatch.setattr(runner, "connect", fake_connect)
+    if operator is None:
+        monkeypatch.delenv("RAY_metrics_report_interval_ms", raising=False)
+    else:
+        monkeypatch.setenv("RAY_metrics_report_interval_ms", operator)
+    runner.connect_ray(parse_config({"models": [{"name": "m", "source": "builtin:tiny-random"}]}), address)
+    assert seen["env"]["RAY_metrics_report_interval_ms"] == (operator or "1000")
+    assert "RAY_metrics_report_interval_ms" not in seen["head"]  # the metrics agent keeps its hold on late gauges
+
+
 def test_serve_has_a_verbose_switch():
     from typer.testing import CliRunner
 

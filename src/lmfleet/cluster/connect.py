@@ -55,15 +55,16 @@ def connect(address: str | None, *, local: LocalHead | None = None, env_vars: Ma
             logging_level: int = logging.WARNING, **init_kwargs: Any) -> bool:
     """Join ``address`` (already resolved); with none, start ``local`` or, without one, join ``"auto"``.
 
-    ``env_vars`` go to a joined cluster's actors as the job's ``runtime_env``. Returns True when this call
-    started a head (the caller then owns it and shuts it down).
+    ``env_vars`` go to this job's actors (the engines' replicas) as its ``runtime_env``, on a joined cluster and on
+    a local head alike; ``local.env`` goes to the whole head (raylet, agents, every worker). Returns True when this
+    call started a head (the caller then owns it and shuts it down).
     """
     import ray
 
     kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": logging_level, **init_kwargs}
+    if env_vars:
+        kwargs["runtime_env"] = {"env_vars": dict(env_vars)}
     if address or local is None:
-        if env_vars:
-            kwargs["runtime_env"] = {"env_vars": dict(env_vars)}
         ray.init(address=address or AUTO, **kwargs)
         return False
     os.environ.update(local.env)

@@ -8,10 +8,14 @@ per model over engines and replicas; the gateway's poller (``lmfleet.gateway.rou
 alive Ray node and hands the sums to each model's :class:`~lmfleet.overflow.signals.LoadTracker`.
 Pure functions: no I/O here.
 
-What the figures are worth: they are as old as Ray's metrics report interval (seconds), so they refine
-the gateway's own in-flight count rather than replace it. They see what the gateway cannot: requests that
-reached the engines another way (a second gateway, a client on Serve's port), and an engine that runs
-fewer sequences than ``max_num_seqs`` because its KV cache is full (``waiting > 0`` while
+What the figures are worth: they are as old as Ray's metrics report interval plus the gateway's poll period,
+so they refine the gateway's own in-flight count rather than replace it. At Ray's default interval (10 s) a gauge
+on the page is 5 s old on average; ``lmfleet serve`` has the engines' replicas export every
+:data:`REPORT_INTERVAL_MS` (:func:`metrics_env`, unless the operator's environment sets it), while the nodes'
+metrics agents keep the default, and with it their 20-s hold on a gauge that a busy replica exports late (an agent
+set to 1 s drops a gauge 2 s after its last export: under load the series comes and goes). They see what the
+gateway cannot: requests that reached the engines another way (a second gateway, a client on Serve's port), and
+an engine that runs fewer sequences than ``max_num_seqs`` because its KV cache is full (``waiting > 0`` while
 ``running < capacity``). See :func:`lmfleet.overflow.estimator.estimate_wait_ms` for how they are used.
 """
 
@@ -24,8 +28,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmfleet.overflow.signals import LoadTracker
 
-__all__ = ["EngineQueue", "ReplicaStats", "apply_engine_queues", "imbalance", "merge", "merge_replicas",
-           "parse_engine_queues", "parse_pages", "parse_replica_pages", "parse_replica_stats", "since"]
+__all__ = ["REPORT_INTERVAL_ENV", "REPORT_INTERVAL_MS", "EngineQueue", "ReplicaStats", "apply_engine_queues",
+           "imbalance", "merge", "merge_replicas", "metrics_env", "parse_engine_queues", "parse_pages",
+           "parse_replica_pages", "parse_replica_stats", "since"]
+
+REPORT_INTERVAL_ENV = "RAY_metrics_report_interval_ms"
+REPORT_INTERVAL_MS = 1000
+"""How often the engines' replicas export their metrics to their node's agent (Ray's default: 10,000 ms; its
+floor: 1,000)."""
+
+
+def metrics_env() -> dict[str, str]:
+    """Environment for the engines' replicas (their job's ``runtime_env``): Ray exports their gauges every
+    :data:`REPORT_INTERVAL_MS`."""
+    return {REPORT_INTERVAL_ENV: str(REPORT_INTERVAL_MS)}
+
 
 _RUNNING = {"ray_vllm_num_requests_running", "vllm:num_requests_running"}
 _WAITING = {"ray_vllm_num_requests_waiting", "vllm:num_requests_waiting"}

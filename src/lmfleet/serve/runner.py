@@ -40,6 +40,7 @@ from lmfleet.gateway.build import check_ledger, preflight
 from lmfleet.gateway.observe.metrics import SharedMetricsDir
 from lmfleet.gateway.routing.health import serve_status_fetcher
 from lmfleet.gateway.routing.pollers import ray_metrics_fetcher
+from lmfleet.overflow.engine_stats import metrics_env
 from lmfleet.store import StoreUnavailable
 from lmfleet.serve.apps import DeployError, app_states, wait_until_running
 from lmfleet.serve.gateway_proc import (
@@ -109,14 +110,17 @@ def connect_ray(fleet: FleetConfig, address: str | None, *, verbose: bool = Fals
     folder, :func:`ray_logs_dir`)."""
     quiet = dict(logging_level=logging.INFO if verbose else logging.WARNING, configure_logging=True,
                  log_to_driver=verbose)
+    # to the engines' replicas only (the job's runtime_env): the nodes' metrics agents keep Ray's default interval,
+    # and with it their 20-s hold on a gauge that a busy replica exports late (at 1 s they would drop it after 2 s)
+    engines = effective_env(metrics_env(), os.environ)
     if address:
-        return connect(address, env_vars=effective_env(serve_env(fleet), os.environ), **quiet)
+        return connect(address, env_vars=effective_env(serve_env(fleet), os.environ) | engines, **quiet)
     cpus = fleet.cluster.num_cpus or max(8, os.cpu_count() or 1)
     # our own HAProxy side ports: Ray's fixed defaults (8404, 9101, 8500) collide between fleets on one machine
     # (never the gateway's configured ports: the serve port is bound by the same HAProxy, later)
     side = free_ports(frozenset({fleet.gateway.port, fleet.gateway.serve_port})) if uses_haproxy(fleet) else None
     env = effective_env(serve_env(fleet, side), os.environ)
-    return connect(None, local=LocalHead(num_cpus=cpus, env=env), **quiet)
+    return connect(None, local=LocalHead(num_cpus=cpus, env=env), env_vars=engines, **quiet)
 
 
 def ray_logs_dir() -> str | None:
