@@ -25,6 +25,9 @@ PowerOfTwoChoicesRequestRouter``                        prompt in ``request_rout
 ``_internal_kv_put``                                    kept in the GCS so that every process of the cluster
                                                         reads the same one (``lmfleet apply``; a detached
                                                         actor would die with its node)
+``ray._raylet.GcsClient``,                              ``lmfleet apply`` reads and writes the fleet store
+``ray._private.services.canonicalize_bootstrap_         without joining the cluster as a driver (as ``ray
+address_or_die``                                        status`` does), which takes seconds
 ``ray.serve.Application._bound_deployment``,            a deployment ``version`` of lmfleet's own on every
 ``_ingress_request_router``, ``Deployment.options(       deployment of a model's application (Ray Serve LLM's
 version=..., _internal=True)``, ``Deployment.           builders set none: Serve then draws a random one per
@@ -109,6 +112,28 @@ def kv_put(key: str, value: bytes, *, overwrite: bool, namespace: str) -> bool:
     from ray.experimental.internal_kv import _internal_kv_put
 
     return bool(_internal_kv_put(key, value, overwrite, namespace=namespace))
+
+
+def gcs_client(address: str | None) -> Any:
+    """A client of the GCS of the Ray cluster at ``address`` (``host:port``; None or ``"auto"``: the cluster running
+    on this machine) that does not join the cluster as a driver, as ``ray status`` does: no driver to start and
+    register, and an address where no cluster answers fails once the client gives up (``ray.RpcError`` after about
+    40 s) where ``ray.init`` waits on. ConnectionError when no cluster is found on this machine."""
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+    from ray._raylet import GcsClient
+
+    return GcsClient(address=canonicalize_bootstrap_address_or_die(address or "auto"))
+
+
+def client_kv_get(client: Any, key: str, namespace: str) -> bytes | None:
+    """:func:`kv_get` through a :func:`gcs_client`."""
+    return client.internal_kv_get(key.encode(), namespace.encode())
+
+
+def client_kv_put(client: Any, key: str, value: bytes, *, overwrite: bool, namespace: str) -> bool:
+    """:func:`kv_put` through a :func:`gcs_client` (Ray's client returns the keys it added: 0 when ``key`` had a
+    value)."""
+    return client.internal_kv_put(key.encode(), value, overwrite, namespace.encode()) == 0
 
 
 def stamp_versions(application: Any, version: str, **config: Any) -> Any:

@@ -102,6 +102,44 @@ def test_internal_kv(name, params):
     _params(f"{module}.{name}", _load(module, name), params)
 
 
+def test_gcs_client_without_a_driver():
+    """gcs_client: Ray's GCS client class takes an address and has the key-value calls lmfleet makes; the address
+    lookup takes the user's address."""
+    _load("ray._raylet", "GcsClient")
+    inner = _load("ray._raylet", "InnerGcsClient")  # GcsClient hands its calls to it
+    for member in ("internal_kv_get", "internal_kv_put"):
+        if not callable(getattr(inner, member, None)):
+            _fail(f"ray._raylet.InnerGcsClient.{member}", "no such method")
+    module = "ray._private.services"
+    _params(f"{module}.canonicalize_bootstrap_address_or_die",
+            _load(module, "canonicalize_bootstrap_address_or_die"), ["addr"])
+
+
+def test_client_kv_speaks_bytes_and_reads_puts_answer():
+    """Ray's client takes bytes and answers a put with the number of keys it added (0: the key had a value)."""
+    class Client:
+        def __init__(self):
+            self.data = {}
+
+        def internal_kv_get(self, key, namespace):
+            assert isinstance(key, bytes) and isinstance(namespace, bytes)
+            return self.data.get((namespace, key))
+
+        def internal_kv_put(self, key, value, overwrite, namespace):
+            existed = (namespace, key) in self.data
+            if overwrite or not existed:
+                self.data[(namespace, key)] = value
+            return 0 if existed else 1
+
+    c = Client()
+    assert ray_private.client_kv_get(c, "k", "ns") is None
+    assert ray_private.client_kv_put(c, "k", b"1", overwrite=False, namespace="ns") is False
+    assert ray_private.client_kv_put(c, "k", b"2", overwrite=False, namespace="ns") is True
+    assert ray_private.client_kv_get(c, "k", "ns") == b"1"
+    assert ray_private.client_kv_put(c, "k", b"3", overwrite=True, namespace="ns") is True
+    assert ray_private.client_kv_get(c, "k", "ns") == b"3"
+
+
 def test_deployment_version_members():
     """stamp_versions: an application holds its deployment and ingress router where lmfleet reads them, and
     Deployment.options takes a version (internally) and the rolling update's batch size."""

@@ -55,17 +55,20 @@ def changes_table(changes: list[Change], title: str, blocked: list[Change]) -> T
 def open_store(address: str | None, fleet: FleetConfig) -> FleetStore:
     """The running fleet's store in the cluster at ``address`` (--address, RAY_ADDRESS, cluster.address, else the
     cluster on this machine); the boundary the CLI tests replace."""
-    from lmfleet.cluster.connect import connect, resolve_ray_address
-    from lmfleet.cluster.fleet_store import RayKV
+    from lmfleet.cluster.connect import resolve_ray_address
+    from lmfleet.cluster.fleet_store import CURRENT_KEY, GcsKV
     from lmfleet.cluster.join import present_ray_token
+    from lmfleet.ray_private import gcs_client
 
     present_ray_token()
     addr = resolve_ray_address(address, fleet)
+    where = addr or "RAY_ADDRESS / cluster.address / auto"
     try:
-        connect(addr)
-    except ConnectionError as e:
-        fail(f"cannot reach the Ray cluster at {addr or 'RAY_ADDRESS / cluster.address / auto'}: {e}", EXIT_REFUSED)
-    return FleetStore(RayKV())
+        kv = GcsKV(gcs_client(addr))
+        kv.get(CURRENT_KEY)  # reached, and the token (if the cluster wants one) accepted
+    except Exception as e:  # Ray's client raises its own RPC errors as well as ConnectionError
+        fail(f"cannot reach the Ray cluster at {where}: {e}", EXIT_REFUSED)
+    return FleetStore(kv)
 
 
 def apply(

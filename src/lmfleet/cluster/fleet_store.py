@@ -63,6 +63,23 @@ class RayKV:
         return kv_put(key, value, overwrite=overwrite, namespace=NAMESPACE)
 
 
+class GcsKV:
+    """:class:`RayKV` through a GCS client (:func:`lmfleet.ray_private.gcs_client`), without ``ray.init``."""
+
+    def __init__(self, client: object) -> None:
+        self.client = client
+
+    def get(self, key: str) -> bytes | None:
+        from lmfleet.ray_private import client_kv_get
+
+        return client_kv_get(self.client, key, NAMESPACE)
+
+    def put(self, key: str, value: bytes, *, overwrite: bool) -> bool:
+        from lmfleet.ray_private import client_kv_put
+
+        return client_kv_put(self.client, key, value, overwrite=overwrite, namespace=NAMESPACE)
+
+
 class MemoryKV:
     """A dict with :class:`KeyValue`'s semantics (tests, and a fleet without Ray)."""
 
