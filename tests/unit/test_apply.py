@@ -145,6 +145,23 @@ def test_a_cluster_without_a_stored_fleet(tmp_path: Path, monkeypatch: pytest.Mo
     assert result.exit_code == 1 and "holds no running fleet" in result.output
 
 
+@pytest.mark.parametrize("error", [ConnectionError("Could not find any running Ray instance."),
+                                   RuntimeError("Timed out while waiting for GCS to become available.")])
+def test_a_cluster_that_cannot_be_reached_exits_1_naming_the_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      error: Exception) -> None:
+    """Ray's GCS client raises ConnectionError (no cluster found here) or its own RPC errors (none answers)."""
+    import lmfleet.ray_private as rp
+
+    def unreachable(address):
+        raise error
+
+    monkeypatch.setattr(rp, "gcs_client", unreachable)
+    monkeypatch.setattr("lmfleet.cluster.join.present_ray_token", lambda: None)  # leaves os.environ alone
+    result = run_apply(tmp_path, BASE, "--dry-run", "--address", "10.0.0.9:6379")
+    assert result.exit_code == 1, result.output
+    assert "cannot reach the Ray cluster at 10.0.0.9:6379" in result.output and str(error) in result.output
+
+
 def test_secrets_never_echo_in_the_table(tmp_path: Path, store: FleetStore) -> None:
     secret = "supersecret123"
     new = fleet_with(cluster={"setup_commands": [f"export HF_TOKEN={secret}"]})
