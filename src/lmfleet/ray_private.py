@@ -117,7 +117,7 @@ def kv_put(key: str, value: bytes, *, overwrite: bool, namespace: str) -> bool:
 def gcs_client(address: str | None) -> Any:
     """A client of the GCS of the Ray cluster at ``address`` (``host:port``; None or ``"auto"``: the cluster running
     on this machine) that does not join the cluster as a driver, as ``ray status`` does: no driver to start and
-    register, and an address where no cluster answers fails once the client gives up (``ray.RpcError`` after about
+    register, and an address where no cluster answers fails once the client gives up (``ray.exceptions.RpcError`` after about
     40 s) where ``ray.init`` waits on. ConnectionError when no cluster is found on this machine."""
     from ray._private.services import canonicalize_bootstrap_address_or_die
     from ray._raylet import GcsClient
