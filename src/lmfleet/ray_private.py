@@ -99,16 +99,22 @@ def power_of_two_choices_router() -> type:
     return PowerOfTwoChoicesRequestRouter
 
 
-def kv_get(key: str, namespace: str) -> bytes | None:
-    """The value of ``key`` in the cluster's GCS key-value store (``namespace``), or None."""
+def kv_get(key: str, namespace: str, client: Any = None) -> bytes | None:
+    """The value of ``key`` in the cluster's GCS key-value store (``namespace``), or None: through ``client`` (a
+    :func:`gcs_client`) when given, else through the connected driver's (``ray.init``)."""
+    if client is not None:
+        return client.internal_kv_get(key.encode(), namespace.encode())
     from ray.experimental.internal_kv import _internal_kv_get
 
     return _internal_kv_get(key, namespace=namespace)
 
 
-def kv_put(key: str, value: bytes, *, overwrite: bool, namespace: str) -> bool:
+def kv_put(key: str, value: bytes, *, overwrite: bool, namespace: str, client: Any = None) -> bool:
     """Store ``value`` at ``key`` in the GCS; with ``overwrite`` False an existing value stays. Returns whether
-    ``key`` already had a value (Ray's answer: with ``overwrite`` False, True means nothing was written)."""
+    ``key`` already had a value (Ray's answer: with ``overwrite`` False, True means nothing was written). ``client``:
+    as for :func:`kv_get` (Ray's client answers with the keys it added: 0 when ``key`` had a value)."""
+    if client is not None:
+        return client.internal_kv_put(key.encode(), value, overwrite, namespace.encode()) == 0
     from ray.experimental.internal_kv import _internal_kv_put
 
     return bool(_internal_kv_put(key, value, overwrite, namespace=namespace))
@@ -123,17 +129,6 @@ def gcs_client(address: str | None) -> Any:
     from ray._raylet import GcsClient
 
     return GcsClient(address=canonicalize_bootstrap_address_or_die(address or "auto"))
-
-
-def client_kv_get(client: Any, key: str, namespace: str) -> bytes | None:
-    """:func:`kv_get` through a :func:`gcs_client`."""
-    return client.internal_kv_get(key.encode(), namespace.encode())
-
-
-def client_kv_put(client: Any, key: str, value: bytes, *, overwrite: bool, namespace: str) -> bool:
-    """:func:`kv_put` through a :func:`gcs_client` (Ray's client returns the keys it added: 0 when ``key`` had a
-    value)."""
-    return client.internal_kv_put(key.encode(), value, overwrite, namespace.encode()) == 0
 
 
 def stamp_versions(application: Any, version: str, **config: Any) -> Any:

@@ -132,12 +132,12 @@ def test_client_kv_speaks_bytes_and_reads_puts_answer():
             return 0 if existed else 1
 
     c = Client()
-    assert ray_private.client_kv_get(c, "k", "ns") is None
-    assert ray_private.client_kv_put(c, "k", b"1", overwrite=False, namespace="ns") is False
-    assert ray_private.client_kv_put(c, "k", b"2", overwrite=False, namespace="ns") is True
-    assert ray_private.client_kv_get(c, "k", "ns") == b"1"
-    assert ray_private.client_kv_put(c, "k", b"3", overwrite=True, namespace="ns") is True
-    assert ray_private.client_kv_get(c, "k", "ns") == b"3"
+    assert ray_private.kv_get("k", "ns", c) is None
+    assert ray_private.kv_put("k", b"1", overwrite=False, namespace="ns", client=c) is False
+    assert ray_private.kv_put("k", b"2", overwrite=False, namespace="ns", client=c) is True
+    assert ray_private.kv_get("k", "ns", c) == b"1"
+    assert ray_private.kv_put("k", b"3", overwrite=True, namespace="ns", client=c) is True
+    assert ray_private.kv_get("k", "ns", c) == b"3"
 
 
 def test_deployment_version_members():

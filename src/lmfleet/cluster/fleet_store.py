@@ -50,34 +50,22 @@ class KeyValue(Protocol):
 
 
 class RayKV:
-    """The connected Ray cluster's GCS key-value store, in :data:`NAMESPACE` (needs ``ray.init`` first)."""
+    """The Ray cluster's GCS key-value store, in :data:`NAMESPACE`: through ``client`` (a
+    :func:`lmfleet.ray_private.gcs_client`, no ``ray.init`` needed) when given, else through the connected driver's
+    (``ray.init`` first)."""
+
+    def __init__(self, client: object = None) -> None:
+        self.client = client
 
     def get(self, key: str) -> bytes | None:
         from lmfleet.ray_private import kv_get
 
-        return kv_get(key, NAMESPACE)
+        return kv_get(key, NAMESPACE, self.client)
 
     def put(self, key: str, value: bytes, *, overwrite: bool) -> bool:
         from lmfleet.ray_private import kv_put
 
-        return kv_put(key, value, overwrite=overwrite, namespace=NAMESPACE)
-
-
-class GcsKV:
-    """:class:`RayKV` through a GCS client (:func:`lmfleet.ray_private.gcs_client`), without ``ray.init``."""
-
-    def __init__(self, client: object) -> None:
-        self.client = client
-
-    def get(self, key: str) -> bytes | None:
-        from lmfleet.ray_private import client_kv_get
-
-        return client_kv_get(self.client, key, NAMESPACE)
-
-    def put(self, key: str, value: bytes, *, overwrite: bool) -> bool:
-        from lmfleet.ray_private import client_kv_put
-
-        return client_kv_put(self.client, key, value, overwrite=overwrite, namespace=NAMESPACE)
+        return kv_put(key, value, overwrite=overwrite, namespace=NAMESPACE, client=self.client)
 
 
 class MemoryKV:
