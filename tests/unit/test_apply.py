@@ -156,6 +156,7 @@ def test_a_cluster_that_cannot_be_reached_exits_1_naming_the_address(tmp_path: P
         raise error
 
     monkeypatch.setattr(rp, "gcs_client", unreachable)
+    monkeypatch.setattr("lmfleet.cluster.connect.check_reachable", lambda address: None)  # Ray's client's turn
     monkeypatch.setattr("lmfleet.cluster.join.present_ray_token", lambda: None)  # leaves os.environ alone
     result = run_apply(tmp_path, BASE, "--dry-run", "--address", "10.0.0.9:6379")
     assert result.exit_code == 1, result.output

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from lmfleet.cluster.connect import LocalHead, describe, resolve_ray_address
+from lmfleet.cluster.connect import LocalHead, check_reachable, connect, describe, resolve_ray_address, split_address
 from lmfleet.config import parse_config
 
 
@@ -85,6 +87,77 @@ def test_connect_joins(monkeypatch, address, env_vars, expected_address, runtime
 
     calls = []
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(mod, "check_reachable", lambda address: None)  # no head at h:6379
     assert mod.connect(address, env_vars=env_vars) is False
     assert calls[0]["address"] == expected_address
     assert calls[0].get("runtime_env") == runtime_env
+
+
+@pytest.mark.parametrize(
+    "address, expected",
+    [
+        ("10.0.0.1:6379", ("10.0.0.1", 6379)),
+        ("head.example:6379", ("head.example", 6379)),
+        ("[fd00::2]:6379", ("fd00::2", 6379)),
+        ("auto", None),
+        ("local", None),
+        ("ray://head:10001", None),
+        ("head", None),
+        ("head:port", None),
+        (":6379", None),
+        ("", None),
+    ],
+)
+def test_split_address(address, expected):
+    assert split_address(address) == expected
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_check_reachable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        check_reachable(f"127.0.0.1:{s.getsockname()[1]}")
+    port = free_port()
+    with pytest.raises(ConnectionError, match=f"no Ray cluster at 127.0.0.1:{port} .*--address"):
+        check_reachable(f"127.0.0.1:{port}")
+    check_reachable("auto")  # left to ray.init, which fails fast for it
+
+
+def test_connect_to_an_address_where_nothing_listens_fails_before_ray_init(monkeypatch):
+    """`serve`, `check` and `cluster status --address` with a dead head: one line in seconds, not ray.init's wait."""
+    import ray
+
+    def init(*a, **k):
+        raise AssertionError("ray.init must not be reached")
+
+    monkeypatch.setattr(ray, "init", init)
+    port = free_port()
+    with pytest.raises(ConnectionError, match=f"no Ray cluster at 127.0.0.1:{port}"):
+        connect(f"127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["cluster", "status"], 1),
+    (["check", "-c", "examples/default.yaml"], 2),
+    (["serve", "-c", "examples/default.yaml"], 1),
+    (["apply", "-c", "examples/default.yaml", "--dry-run"], 1),
+])
+def test_commands_given_a_dead_head_address_fail_in_seconds(argv, code):
+    """The real CLI: one line naming the address and the fix, its exit code, no traceback, no Ray started."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    port = free_port()
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([str(Path(sys.executable).parent / "lmfleet"), *argv, "--address", f"127.0.0.1:{port}"],
+                         cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == code, out.stdout + out.stderr
+    assert f"no Ray cluster at 127.0.0.1:{port} (Connection refused)" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -121,25 +121,6 @@ def test_worker_command_parses_as_the_gateway_cli():
     assert params["config"] == Path("f.yaml")
 
 
-@pytest.mark.parametrize(
-    "address, expected",
-    [
-        ("10.0.0.1:6379", ("10.0.0.1", 6379)),
-        ("head.example:6379", ("head.example", 6379)),
-        ("[fd00::2]:6379", ("fd00::2", 6379)),
-        ("auto", None),
-        ("local", None),
-        ("ray://head:10001", None),
-        ("head", None),
-        ("head:port", None),
-        (":6379", None),
-        ("", None),
-    ],
-)
-def test_split_address(address, expected):
-    assert gp.split_address(address) == expected
-
-
 LOCAL = {"127.0.0.1", "localhost", "::1", "192.0.2.2", "fd00::2"}
 
 
@@ -159,17 +140,6 @@ def test_default_serve_url(head_host, expected):
 
 def test_local_addresses_hold_loopback():
     assert {"127.0.0.1", "localhost"} <= gp.local_addresses()
-
-
-def test_check_reachable():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(1)
-        gp.check_reachable(f"127.0.0.1:{s.getsockname()[1]}")
-    port = _free_port()
-    with pytest.raises(ConnectionError, match=f"no Ray cluster at 127.0.0.1:{port} .*--address"):
-        gp.check_reachable(f"127.0.0.1:{port}")
-    gp.check_reachable("auto")  # left to ray.init, which fails fast for it
 
 
 def _sleeper(ignore_term: bool = False) -> subprocess.Popen:

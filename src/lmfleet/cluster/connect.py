@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,29 @@ def resolve_ray_address(cli_address: str | None, fleet: FleetConfig | None,
     return None
 
 
+def split_address(address: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); None for ``auto``, ``local``, ``ray://`` or no port."""
+    if not address or address in ("auto", "local") or "://" in address:
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds when nothing answers at the Ray head's address (``ray.init`` would wait two minutes, then
+    exit the process). Raises ConnectionError with one line."""
+    hp = split_address(address)
+    if hp is None:
+        return
+    try:
+        socket.create_connection(hp, timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"no Ray cluster at {address} ({e.strerror or e}); start one with `lmfleet serve` "
+                              f"or `lmfleet cluster up`, or pass the head's GCS address with --address") from None
+
+
 def describe(address: str | None, local: LocalHead | None) -> str:
     if address:
         return f"Ray cluster at {address}"
@@ -65,6 +89,8 @@ def connect(address: str | None, *, local: LocalHead | None = None, env_vars: Ma
     if env_vars:
         kwargs["runtime_env"] = {"env_vars": dict(env_vars)}
     if address or local is None:
+        if address:
+            check_reachable(address)
         ray.init(address=address or AUTO, **kwargs)
         return False
     os.environ.update(local.env)

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from lmfleet.cluster.connect import connect
+from lmfleet.cluster.connect import connect, split_address
 from lmfleet.cluster.join import present_ray_token
 from lmfleet.config.models import FleetConfig
 from lmfleet.engine.app import gateway_model_apps
@@ -296,16 +296,6 @@ def shared_metrics(workers: int) -> SharedMetricsDir | None:
 LOOPBACK = "127.0.0.1"
 
 
-def split_address(address: str) -> tuple[str, int] | None:
-    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); None for ``auto``, ``local``, ``ray://`` or no port."""
-    if not address or address in ("auto", "local") or "://" in address:
-        return None
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        return None
-    return host.strip("[]"), int(port)
-
-
 def local_addresses() -> set[str]:
     """This machine's own IP addresses (and ``localhost``)."""
     out = {"localhost", LOOPBACK, "::1"}
@@ -326,19 +316,6 @@ def default_serve_url(serve_port: int, head_host: str | None, local: set[str]) -
     return f"http://{host}:{serve_port}"
 
 
-def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds when nothing answers at the Ray head's address (``ray.init`` would wait two minutes, then
-    exit the process). Raises ConnectionError with one line."""
-    hp = split_address(address)
-    if hp is None:
-        return
-    try:
-        socket.create_connection(hp, timeout=timeout_s).close()
-    except OSError as e:
-        raise ConnectionError(f"no Ray cluster at {address} ({e.strerror or e}); start one with `lmfleet serve` "
-                              f"or `lmfleet cluster up`, or pass the head's GCS address with --address") from None
-
-
 def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port: int, address: str | None,
                 serve_url: str | None, workers: int, reuse_port: bool = False, worker: bool = False,
                 wait_timeout_s: float = 900.0, progress: Callable[[str], None] = print) -> int:
@@ -354,8 +331,6 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
         preflight(fleet, host)
         check_ledger(fleet)
         sock = listen_socket(host, port, reuse_port=reuse_port, listen=False)
-        if address:
-            check_reachable(address)
         apps = gateway_model_apps(fleet, progress=progress if not worker else (lambda s: None))
         present_ray_token()
         try:

@@ -318,7 +318,10 @@ def run_serve(fleet: FleetConfig, *, host: str, port: int, address: str | None,
         addr = ray_address(fleet, address)
         progress(f"lmfleet: {'joining Ray cluster at ' + addr if addr else 'starting a local Ray head'}...")
         with phases.step("Ray"):
-            started_ray = connect_ray(fleet, addr, verbose=verbose)
+            try:
+                started_ray = connect_ray(fleet, addr, verbose=verbose)
+            except ConnectionError as e:  # nothing answers at the address given
+                raise DeployError(str(e)) from None
         logs = ray_logs_dir()
         if logs and not verbose:
             progress(f"lmfleet: engine and Ray logs go to {logs} (--verbose shows them here)")
