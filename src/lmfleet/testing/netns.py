@@ -159,21 +159,25 @@ class NetnsLab:
         return ThreadPoolExecutor(workers, thread_name_prefix=f"ns-{host.name}", initializer=enter_netns,
                                   initargs=(host.ns,))
 
-    def cpu_snapshot(self, host: Host) -> dict[tuple[int, float], float]:
-        """CPU seconds (user + system) per process now in ``host``'s namespace, keyed by (pid, start time)."""
+    def cpu_snapshot(self, host: Host, match: str | None = None) -> dict[tuple[int, float], float]:
+        """CPU seconds (user + system) per process now in ``host``'s namespace, keyed by (pid, start time);
+        ``match``: only the processes whose command line contains it (e.g. ``EngineCore``, vLLM's engines)."""
         out = {}
         for pid in ns_pids(host.ns):
             try:
                 p = psutil.Process(pid)
+                if match is not None and match not in " ".join(p.cmdline()):
+                    continue
                 t = p.cpu_times()
                 out[(pid, p.create_time())] = t.user + t.system
             except psutil.Error:
                 pass
         return out
 
-    def cpu_since(self, host: Host, before: dict[tuple[int, float], float]) -> float:
-        """CPU seconds ``host``'s processes used since ``before`` (processes that exited meanwhile not counted)."""
-        return sum(v - before.get(k, 0.0) for k, v in self.cpu_snapshot(host).items())
+    def cpu_since(self, host: Host, before: dict[tuple[int, float], float], match: str | None = None) -> float:
+        """CPU seconds ``host``'s processes (those ``match`` selects) used since ``before`` (processes that exited
+        meanwhile not counted)."""
+        return sum(v - before.get(k, 0.0) for k, v in self.cpu_snapshot(host, match).items())
 
     def kill_host(self, host: Host) -> None:
         """SIGKILL everything in the host's namespace (the machine 'dies'); its namespace stays."""
