@@ -57,8 +57,9 @@ def split_address(address: str) -> tuple[str, int] | None:
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds when nothing answers at the Ray head's address (``ray.init`` would wait two minutes, then
-    exit the process). Raises ConnectionError with one line."""
+    """Fail in seconds when nothing listens at the Ray head's address (``ray.init`` waits on such an address for
+    minutes without a word); ``auto``, ``local`` and ``ray://`` addresses are left to Ray. Raises ConnectionError
+    with one line."""
     hp = split_address(address)
     if hp is None:
         return
