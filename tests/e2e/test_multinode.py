@@ -67,9 +67,12 @@ class Cluster:
         self.workers[name] = host
         return host
 
-    def status(self) -> dict:
+    def status(self, starting: bool = False) -> dict | None:
+        """`cluster status --json`; None while ``starting`` and the head's GCS port does not listen yet."""
         r = self.lab.run(self.head, [str(BIN / "lmfleet"), "cluster", "status", "--json", "--address",
                                      self.head_address, "--gateway", self.base_url], self.env, timeout=120)
+        if starting and r.returncode == 1 and f"no Ray cluster at {self.head_address}" in r.stderr:
+            return None  # `cluster status` fails fast on a closed port; `ray start` may not have opened it yet
         assert r.returncode in (0, 3), f"cluster status failed ({r.returncode}): {r.stderr[-3000:]}"
         return json.loads(r.stdout)
 
@@ -78,11 +81,11 @@ class Cluster:
                                      "--gateway", self.base_url], self.env, timeout=120)
         return r.stdout + r.stderr
 
-    def wait_status(self, predicate, timeout: float, what: str) -> dict:
+    def wait_status(self, predicate, timeout: float, what: str, starting: bool = False) -> dict:
         deadline, last = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
-            last = self.status()
-            if predicate(last):
+            last = self.status(starting=starting)
+            if last is not None and predicate(last):
                 return last
             time.sleep(2)
         raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last status:\n"
@@ -144,7 +147,7 @@ def cluster():
             env, "head.log",
         )
         c = Cluster(lab, env, workdir, head, {})
-        c.wait_status(lambda st: head.address in _alive_addresses(st), 90, "the head")
+        c.wait_status(lambda st: head.address in _alive_addresses(st), 90, "the head", starting=True)
         c.join("w1")
         c.join("w2")
         yield c
