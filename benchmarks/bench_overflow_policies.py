@@ -25,7 +25,9 @@ per policy per round, alternating policies within each round (``POST /admin/over
 local, carry over from one policy to the next as they would in service). Every arm runs with
 ``overflow.prefill_gate`` at its default, ``auto`` (on for this CPU engine with its provider; docs/overflow.md), but
 ``local only``, which runs with it off; ``--policies "predictive ungated"`` adds an arm of predictive with it off,
-``"predictive gated"`` one with it on; ``"predictive no floor"`` one with ``overflow.miss_floor`` 0. Every
+``"predictive gated"`` one with it on; ``"predictive no floor"`` one with ``overflow.miss_floor`` 0;
+``"predictive prefill line"`` one whose gated requests are priced on the prefill line, not the gate's service line
+(``POST /admin/overflow`` ``gate_line`` false; docs/overflow.md, the prefill gate). Every
 replay sends fresh prompt text of the same lengths: vLLM's prefix cache would otherwise serve the long prompts from
 the replay before. An aiohttp
 client streams every request and records its TTFT and the gateway's headers (``x-lmfleet-served-by``,
@@ -85,8 +87,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from lmfleet.bench.overflow_figures import (GATED, LOCAL_ONLY, NO_FLOOR, ORACLE_PLAN, UNGATED, Outcome,  # noqa: F401
-                                            estimate_line, header_lines, local_model, pooled_estimate,
+from lmfleet.bench.overflow_figures import (GATED, LOCAL_ONLY, NO_FLOOR, OLDLINE, ORACLE_PLAN, UNGATED,  # noqa: F401
+                                            Outcome, estimate_line, header_lines, local_model, pooled_estimate,
                                             provider_bill_usd, service_samples, summarize, table)
 from lmfleet.bench.loto import append_rows, dataset_rows
 from lmfleet.bench.mix import BenchInputError
@@ -130,7 +132,9 @@ def set_policy(url: str, name: str, threshold_ms: float, hedge_after_ms: float, 
         admin(url, "POST", "/admin/overflow", {"model": MODEL, "mode": "force_off", "prefill_gate": False})
         return
     admin(url, "POST", "/admin/overflow", {"model": MODEL, "mode": "auto", "threshold_ms": threshold_ms,
-                                           "policy": "predictive" if name in (GATED, UNGATED, NO_FLOOR) else name,
+                                           "policy": "predictive" if name in (GATED, UNGATED, NO_FLOOR, OLDLINE)
+                                           else name,
+                                           "gate_line": name != OLDLINE,
                                            "prefill_gate": {GATED: True, UNGATED: False}.get(name, "auto"),
                                            "miss_floor": 0.0 if name == NO_FLOOR else FLOOR,
                                            "hedge_after_ms": hedge_after_ms,
@@ -206,10 +210,12 @@ def main() -> None:
                     help="seconds of closed-loop load before the capacity is measured (not counted)")
     ap.add_argument("--price-in", type=float, default=0.5, help="provider $/1M prompt tokens")
     ap.add_argument("--price-out", type=float, default=1.5, help="provider $/1M output tokens")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=(*POLICIES, GATED, UNGATED, NO_FLOOR),
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES),
+                    choices=(*POLICIES, GATED, UNGATED, NO_FLOOR, OLDLINE),
                     help=f"the arms (each with overflow.prefill_gate auto, the default: on for this CPU engine, but "
                     f"{LOCAL_ONLY!r}: off; {GATED!r} / {UNGATED!r}: predictive with it on / off; {NO_FLOOR!r}: "
-                    f"predictive with overflow.miss_floor 0, the others with its default)")
+                    f"predictive with overflow.miss_floor 0, the others with its default; {OLDLINE!r}: predictive "
+                    f"with gated requests priced on the prefill line)")
     ap.add_argument("--smoke", action="store_true",
                     help="a few seconds of trace, one round, answers of at most 16 tokens: the harness works")
     ap.add_argument("--dataset-out", type=Path, help="JSON lines: the requests kept local, for estimator_loto.py")
@@ -272,7 +278,8 @@ def main() -> None:
             admin(args.url, "POST", "/admin/overflow", {"model": MODEL, "mode": before["mode"],
                                                         "threshold_ms": before["threshold_ms"],
                                                         "policy": "predictive",
-                                                        "prefill_gate": before.get("prefill_gate_setting", "auto")})
+                                                        "prefill_gate": before.get("prefill_gate_setting", "auto"),
+                                                        "gate_line": before.get("gate_line", True)})
         return
     pport, gport, sport = free_port(), free_port(), free_port()
     fleet = out / "fleet.yaml"

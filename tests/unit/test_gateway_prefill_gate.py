@@ -99,9 +99,9 @@ def first_token_after(delay_s: float, started: list[float]):
     return handler
 
 
-async def _two_at_once(tmp_path, gate: bool) -> tuple[list[float], list[int]]:
-    """Two streamed requests at once, local only: when each reached the engine, and the prefill work ahead that
-    the gateway counted while the second waited."""
+async def _two_at_once(tmp_path, gate: bool) -> tuple[list[float], list[int], list[tuple]]:
+    """Two streamed requests at once, local only: when each reached the engine, and the prefill work ahead and the
+    gate's queue that the gateway counted while the second waited."""
     started: list[float] = []
     app = make_gateway(tmp_path, first_token_after(0.4, started))
     c = await started_client(app)
@@ -109,10 +109,12 @@ async def _two_at_once(tmp_path, gate: bool) -> tuple[list[float], list[int]]:
     assert r.status_code == 200 and r.json()["models"]["m"]["prefill_gate"] is gate
     m = app.state.gateway.models["m"]
     pending: list[int] = []
+    queues: list[tuple] = []
 
     async def watch() -> None:
         await asyncio.sleep(0.2)
         pending.append(m.local.tracker.snapshot().pending_prefill_tokens)
+        queues.append(m.local.tracker.snapshot().gate_queue)
         gate_state = (await c.get("/admin/state", headers=ADMIN)).json()["models"]["m"]["prefill_gate"]
         assert gate_state == ({"holding": 1, "waiting": 1, "limit": 1} if gate else None)
 
@@ -120,18 +122,21 @@ async def _two_at_once(tmp_path, gate: bool) -> tuple[list[float], list[int]]:
                               c.post("/v1/chat/completions", json=STREAM), watch())
     assert all(r.status_code == 200 and r.headers["x-lmfleet-served-by"] == "local/m" for r in rs[:2])
     assert m.local.tracker.in_flight == 0 and (m.local.gate.holding, m.local.gate.waiting) == (0, 0)
-    return started, pending
+    return started, pending, queues
 
 
 async def test_with_the_gate_the_second_prompt_reaches_the_engine_after_the_first_ones_first_token(tmp_path):
-    started, pending = await _two_at_once(tmp_path, gate=True)
+    started, pending, queues = await _two_at_once(tmp_path, gate=True)
     assert len(started) == 2 and started[1] - started[0] >= 0.35
     assert pending[0] > 0 and pending[0] % 2 == 0  # both prompts (same length) counted as work ahead
+    # the gate's queue as the estimate sees it: the first through the gate ~0.2 s ago, the second held
+    [((tokens, elapsed), (tokens2, held))] = queues
+    assert tokens == tokens2 == pending[0] // 2 and 0.1 < elapsed < 0.4 and held is None
 
 
 async def test_without_the_gate_both_prompts_reach_the_engine_at_once(tmp_path):
-    started, _ = await _two_at_once(tmp_path, gate=False)
-    assert len(started) == 2 and started[1] - started[0] < 0.3
+    started, _, queues = await _two_at_once(tmp_path, gate=False)
+    assert len(started) == 2 and started[1] - started[0] < 0.3 and queues == [()]
 
 
 async def test_a_unary_request_does_not_pass_the_gate(tmp_path):

@@ -23,8 +23,8 @@ def sig(**kw) -> QueueSignals:
 # --- the admission record --------------------------------------------------------------------------------------
 
 def test_admission_round_trips_through_json_and_ignores_unknown_keys():
-    a = Admission(sig(in_flight=9, engine_waiting=2, pending_prefill_tokens=300), 8, 512, 1, 1840.0, 750.0, 750.0,
-                  THR)
+    a = Admission(sig(in_flight=9, engine_waiting=2, pending_prefill_tokens=300, gate_queue=((200, 0.25), (100, None))),
+                  8, 512, 1, 1840.0, 750.0, 750.0, THR)
     text = admission_json(a)
     assert admission_json(dataclasses.asdict(a)) == text  # the recorder's asdict form writes the same JSON
     assert parse_admission(text) == a

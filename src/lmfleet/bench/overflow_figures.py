@@ -18,9 +18,10 @@ from lmfleet.overflow.estimate_error import estimate_error, percentile
 from lmfleet.overflow.oracle import LocalServiceModel, ServiceSample, kept_ttfts_s, oracle_spill, spill_cost_nusd
 from lmfleet.provenance import is_external
 
-__all__ = ["GATED", "LITELLM_FALLBACK", "LOCAL_ONLY", "NO_FLOOR", "ORACLE_PLAN", "RATE_ARMS", "UNGATED", "Outcome",
-           "estimate_line", "header_lines", "local_model", "plan_misses", "pooled_estimate", "provider_bill_usd",
-           "refit_oracle", "rounds_from_lines", "service_samples", "spend_bound", "summarize", "table"]
+__all__ = ["GATED", "LITELLM_FALLBACK", "LOCAL_ONLY", "NO_FLOOR", "OLDLINE", "ORACLE_PLAN", "RATE_ARMS", "UNGATED",
+           "Outcome", "estimate_line", "header_lines", "local_model", "plan_misses", "pooled_estimate",
+           "provider_bill_usd", "refit_oracle", "rounds_from_lines", "service_samples", "spend_bound", "summarize",
+           "table"]
 
 LOCAL_ONLY = "local only"
 """The arm with overflow forced off: the oracle's decode rate is measured on it."""
@@ -32,6 +33,9 @@ GATED = "predictive gated"
 UNGATED = "predictive ungated"
 """The arm of predictive with ``overflow.prefill_gate`` false. The ``predictive`` arm runs the default, ``auto``
 (on for the CPU engine with a provider); runs recorded before ``auto`` had the gate off in it."""
+OLDLINE = "predictive prefill line"
+"""The arm of predictive whose gated requests are priced on the prefill line (``gate_line`` false), not the
+gate's service line."""
 NO_FLOOR = "predictive no floor"
 """The arm of predictive with ``overflow.miss_floor`` 0 (the learned margin alone); the others run the default."""
 LITELLM_FALLBACK = "litellm_fallback"
@@ -165,7 +169,7 @@ def plan_misses(rounds: list[list[Outcome]], model: LocalServiceModel, slo_s: fl
     return out
 
 
-RATE_ARMS = ("predictive", GATED, UNGATED, NO_FLOOR, "on_error", LOCAL_ONLY, ORACLE_PLAN)
+RATE_ARMS = ("predictive", OLDLINE, GATED, UNGATED, NO_FLOOR, "on_error", LOCAL_ONLY, ORACLE_PLAN)
 """The arms whose local answers are every prompt that reached the engine (no hedge or timeout cancelled one after
 it started): :func:`spend_bound` measures the engine's prefill rate on their rounds."""
 

@@ -66,7 +66,10 @@ def parse_admission(value: str | Mapping[str, Any]) -> Admission:
     d = json.loads(value) if isinstance(value, str) else value
     if not isinstance(d, Mapping) or not isinstance(d.get("signals"), Mapping):
         raise ValueError(f"not an admission record: {str(value)[:200]!r}")
-    signals = QueueSignals(**{k: v for k, v in d["signals"].items() if k in _SIGNAL_FIELDS})
+    fields = {k: v for k, v in d["signals"].items() if k in _SIGNAL_FIELDS}
+    if isinstance(fields.get("gate_queue"), list):  # JSON has no tuples
+        fields["gate_queue"] = tuple(tuple(q) for q in fields["gate_queue"])
+    signals = QueueSignals(**fields)
     return Admission(signals=signals, **{k: v for k, v in d.items() if k in _FIELDS})
 
 

@@ -34,6 +34,23 @@ While the line is stale (``signals.prefill_stale``: nothing in flight and its ne
 ``base_ttft'`` is at most ``cold_ttft_s + prefill_s_per_token * work``, so a line that samples slowed by something
 it does not see cannot hold an idle engine over the threshold for longer than that minute.
 
+The prefill gate
+----------------
+With ``overflow.prefill_gate`` on, a gated request's prompts ahead go to the engine one at a time (per replica),
+each after the one before has its first token, and each then costs its own service time: its prefill, an engine
+step and a round trip (:mod:`lmfleet.overflow.signals`, the gate's service line ``s(tokens)``). So for a request
+that would pass the gate (:func:`gate_wait_s`) while a slot is free (``q <= 0``)::
+
+    wait = sum(s(t_i) for held prompts) + sum(max(0, s(t_h) - elapsed_h) for prompts through the gate)
+           (both shared among the gate's limit, one per running replica)
+           + k x (pending prompts that did not pass the gate) + s(prompt_tokens)
+
+Behind a full engine (``q > 0``) the held prompts wait for slots more than for the gate, and the queue term with
+the prefill line decides, as for a request that does not pass the gate. ``s`` takes the prefill line's slope ``k`` until its own samples span enough tokens to measure one. A prefill line
+fitted on TTFTs by the tokens ahead puts the step each held prompt adds into its slope, so it undercounts a queue
+of short prompts (each a whole step) and overcounts a few long ones. Until the service line has its samples, or
+while the prefill line is stale, the prefill line decides.
+
 Assumptions (and what they cost)
 --------------------------------
 * FIFO and steady state: completions arrive at the average rate of the trailing window. Under
@@ -72,8 +89,8 @@ from __future__ import annotations
 from lmfleet.config.models import ModelConfig
 from lmfleet.overflow.signals import MIN_COMPLETIONS, QueueSignals
 
-__all__ = ["EXPLORE_SHARE", "cold_ttft_for", "drain_rate", "estimate_wait_ms", "local_capacity", "prefill_excess_s",
-           "queue_position", "serving_capacity"]
+__all__ = ["EXPLORE_SHARE", "cold_ttft_for", "drain_rate", "estimate_wait_ms", "gate_wait_s", "local_capacity",
+           "prefill_excess_s", "queue_position", "serving_capacity"]
 
 EXPLORE_SHARE = 0.5
 """While no TTFT is measured and nothing is in flight, a cold prefill time above the threshold is replaced by this
@@ -123,23 +140,29 @@ def estimate_wait_ms(
     cold_service_s: float = 10.0,
     cold_ttft_s: float = 1.0,
     prompt_tokens: int = 0,
+    gated: bool = False,
+    gate_limit: int = 1,
 ) -> float:
     """Predicted milliseconds until this request's first token if it is sent locally now.
 
     ``capacity``: concurrent requests the local engines run (:func:`local_capacity`).
     ``cold_service_s`` / ``cold_ttft_s``: defaults while nothing was measured (module docstring).
     ``prompt_tokens``: the request's prompt (0: unknown, e.g. the model's figure on a dashboard).
+    ``gated``: the request would pass ``overflow.prefill_gate``, which lets ``gate_limit`` prompts through at once
+    (:func:`gate_wait_s`).
     """
     if capacity < 1:
         raise ValueError(f"capacity={capacity} must be >= 1")
     slots, ahead = queue_position(signals, capacity)
+    queue_s = ahead / drain_rate(signals, slots, cold_service_s) if ahead > 0 else 0.0
+    gate_s = gate_wait_s(signals, prompt_tokens, gate_limit) if gated and ahead <= 0 else None
+    if gate_s is not None:
+        return gate_s * 1000.0
     base_s = signals.base_ttft_s if signals.base_ttft_s is not None else cold_ttft_s
     base_s = max(0.0, base_s + prefill_excess_s(signals, prompt_tokens))
     if signals.prefill_stale and signals.base_ttft_s is not None:
         base_s = min(base_s, cold_ttft_s + (signals.prefill_s_per_token or 0.0) * _work(signals, prompt_tokens))
-    if ahead <= 0:
-        return base_s * 1000.0
-    return (ahead / drain_rate(signals, slots, cold_service_s) + base_s) * 1000.0
+    return (queue_s + base_s) * 1000.0
 
 
 def queue_position(signals: QueueSignals, capacity: int) -> tuple[int, int]:
@@ -172,6 +195,32 @@ def cold_ttft_for(signals: QueueSignals, cold_ttft_s: float, threshold_ms: float
             and cold_ttft_s * 1000.0 > threshold_ms):
         return EXPLORE_SHARE * threshold_ms / 1000.0
     return cold_ttft_s
+
+
+def gate_wait_s(signals: QueueSignals, prompt_tokens: int, limit: int = 1) -> float | None:
+    """Seconds to a gated request's first token while a slot is free (module docstring, the prefill gate): each
+    prompt in the gate's queue ahead of it costs its service time on the gate's service line (a prompt already
+    through the gate, what is left of it), shared among the ``limit`` prompts the gate lets through at once, then its
+    own; prompts at the engine that did not pass the gate add the prefill line's slope per token. Until the service
+    line has a slope (its samples too close in size), the prefill line's slope from the service line's base. None
+    while the service line is unmeasured or the prefill line is stale. Pure."""
+    if signals.gate_base_s is None or signals.prefill_stale:
+        return None
+    # the service line's slope once its samples span enough tokens to measure one, else the prefill line's: a flat
+    # line fitted on short prompts alone would price a long prompt at a short one's service
+    k = signals.gate_s_per_token if signals.gate_s_per_token is not None else (signals.prefill_s_per_token or 0.0)
+    x0 = signals.gate_base_tokens or 0.0
+
+    def service(tokens: int) -> float:
+        return max(0.0, signals.gate_base_s + k * (tokens - x0))  # type: ignore[operator]
+
+    ahead = 0.0
+    queued = 0
+    for tokens, elapsed in signals.gate_queue:
+        queued += tokens
+        ahead += service(tokens) if elapsed is None else max(0.0, service(tokens) - elapsed)
+    ungated = max(0, signals.pending_prefill_tokens - queued) * (signals.prefill_s_per_token or 0.0)
+    return ahead / max(1, limit) + ungated + service(max(0, prompt_tokens))
 
 
 def prefill_excess_s(signals: QueueSignals, prompt_tokens: int) -> float:

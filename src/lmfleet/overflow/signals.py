@@ -43,6 +43,15 @@ How the figures are measured
   default plus the slope's cost of the work. Samples slowed by something the line does not see would otherwise
   hold an idle engine over the threshold: every request would overflow, and none would come back to measure it
   again.
+* **The gate's service line** (``overflow.prefill_gate`` on): a prompt through the gate is alone at the engine
+  before its first token, so the time from passing the gate (:meth:`LoadTracker.on_gate_enter`) to its first token
+  is its own service: its prefill plus about one engine step and a round trip. Over the last ``prefill_samples``
+  gated prompts of the last ``prefill_ttl_s`` that started with a free slot, :func:`prefill_line` fits that time
+  against the prompt's tokens (``gate_base_s`` at ``gate_base_tokens``, slope ``gate_s_per_token``); from
+  :data:`GATE_MIN_SAMPLES` samples on. ``gate_queue`` lists the prompts waiting in the gate or through it without
+  a first token (:meth:`LoadTracker.on_gate_wait`), so the estimator can price each prompt ahead of a gated
+  request on that line: a prompt held in the gateway costs a whole step of its own, which a line through TTFTs by
+  tokens ahead puts only into its slope.
 * **Prefill work ahead** (tokens): the prompt tokens of the local streamed requests in flight that have not had a
   first token yet (``pending_prefill_tokens``; a non-streamed request reports no first token and is left out):
   vLLM prefills them before a newer request's prompt (first come, first served, in chunks), so they delay its
@@ -79,24 +88,24 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left, insort
-from statistics import median
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["MIN_COMPLETIONS", "PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "PREFILL_SAMPLES", "PREFILL_TTL_S",
-           "LoadTracker", "PrefillLine", "QueueSignals", "Ticket", "line_is_stale", "prefill_line", "prefill_slope"]
+from lmfleet.overflow.prefill_fit import PREFILL_MIN_PAIRS, PREFILL_MIN_SPREAD, PrefillLine, prefill_line, prefill_slope
+
+__all__ = ["GATE_MIN_SAMPLES", "MIN_COMPLETIONS", "PREFILL_MIN_PAIRS", "PREFILL_MIN_SPREAD", "PREFILL_SAMPLES",
+           "PREFILL_TTL_S", "LoadTracker", "PrefillLine", "QueueSignals", "Ticket", "line_is_stale", "prefill_line",
+           "prefill_slope"]
 
 MIN_COMPLETIONS = 3
 """Completions the window must hold before the measured drain rate is reported, by default."""
-PREFILL_MIN_SPREAD = 256
-"""Tokens of prefill work two samples must differ by for their slope to count (closer pairs are noise)."""
-PREFILL_MIN_PAIRS = 3
-"""Pairs that must count before the prefill line has a slope (fewer: the samples' median TTFT, no slope)."""
 PREFILL_SAMPLES = 64
 """Unqueued requests the prefill line is fitted over (the most recent), by default."""
 PREFILL_TTL_S = 600.0
 """Seconds a prefill sample counts, by default."""
+GATE_MIN_SAMPLES = 8
+"""Gated prompts the gate's service line needs before it counts (fewer: the prefill line alone)."""
 IDLE_RESET_S = 60.0
 """Seconds after its newest sample that an idle engine's prefill line is stale, by default (:func:`line_is_stale`)."""
 
@@ -130,6 +139,15 @@ class QueueSignals:
     """Nothing in flight and the prefill line's newest sample older than ``idle_reset_s`` (:func:`line_is_stale`)."""
     busy_s: float = 0.0
     """Seconds of the window with a local request of this gateway in flight (the drain rate's denominator)."""
+    gate_queue: tuple[tuple[int, float | None], ...] = ()
+    """The prompts in ``overflow.prefill_gate`` without a first token yet, in arrival order: ``(prompt tokens,
+    seconds since it passed the gate)``, None while it waits in the gateway."""
+    gate_base_s: float | None = None
+    """The gate's service line (module docstring): a gated prompt's time from passing the gate to its first token,
+    at ``gate_base_tokens`` prompt tokens; None without enough samples (:data:`GATE_MIN_SAMPLES`)."""
+    gate_base_tokens: float | None = None
+    gate_s_per_token: float | None = None
+    """The gate's service line's slope (seconds per prompt token); None: unmeasured."""
 
     @property
     def line_measured(self) -> bool:
@@ -147,66 +165,6 @@ class Ticket:
     prompt_tokens: int
     pending_ahead: int = 0
     """Prompt tokens of the local requests in flight without a first token when it started (prefill work ahead)."""
-
-
-def prefill_slope(samples: list[tuple[float, float]], min_spread: float = PREFILL_MIN_SPREAD,
-                  min_pairs: int = PREFILL_MIN_PAIRS) -> float | None:
-    """Theil-Sen slope of ``(prefill_tokens, ttft_s)`` samples: the median of the pairwise slopes of pairs at least
-    ``min_spread`` tokens apart, clamped at 0; None with fewer than ``min_pairs`` such pairs. Pure; O(n^2)."""
-    slopes = [(yj - yi) / (xj - xi) for i, (xi, yi) in enumerate(samples) for xj, yj in samples[i + 1:]
-              if abs(xj - xi) >= min_spread]
-    if len(slopes) < min_pairs:
-        return None
-    return max(0.0, median(slopes))
-
-
-@dataclass(frozen=True)
-class PrefillLine:
-    """``ttft = base_ttft_s + slope x (work - base_work)``, from :func:`prefill_line`."""
-
-    base_ttft_s: float
-    base_work: float
-    slope: float | None
-    """Seconds per token of prefill work; None: too little spread in work to measure one."""
-
-
-def prefill_line(samples: list[tuple[float, float]], min_spread: float = PREFILL_MIN_SPREAD,
-                 min_pairs: int = PREFILL_MIN_PAIRS, iterations: int = 30) -> PrefillLine | None:
-    """The least-absolute-deviations line through ``(prefill_tokens, ttft_s)`` samples, anchored at their median
-    work (module docstring): by iteratively reweighted least squares from the Theil-Sen line. No slope (None) and
-    the median TTFT while fewer than ``min_pairs`` pairs lie ``min_spread`` tokens apart; a negative slope is
-    clamped at 0 (the median TTFT again); None without samples. Pure; O(n^2) for the pairs."""
-    if not samples:
-        return None
-    x0 = median(x for x, _ in samples)
-    y0 = median(y for _, y in samples)
-    k = prefill_slope(samples, min_spread, min_pairs)
-    if not k:
-        return PrefillLine(y0, x0, k)
-    u = [x - x0 for x, _ in samples]
-    y = [v for _, v in samples]
-    a = median(yi - k * ui for ui, yi in zip(u, y))
-    eps = 1e-6 * max(1e-3, y0)
-    for _ in range(iterations):
-        sw = swu = swuu = swy = swuy = 0.0
-        for ui, yi in zip(u, y):
-            w = 1.0 / max(abs(yi - a - k * ui), eps)
-            sw += w
-            swu += w * ui
-            swuu += w * ui * ui
-            swy += w * yi
-            swuy += w * ui * yi
-        det = sw * swuu - swu * swu
-        if det <= 0:
-            break
-        a_new, k_new = (swuu * swy - swu * swuy) / det, (sw * swuy - swu * swy) / det
-        done = abs(a_new - a) <= 1e-6 * max(abs(a), 1e-3) and abs(k_new - k) <= 1e-6 * max(abs(k), 1e-9)
-        a, k = a_new, k_new
-        if done:
-            break
-    if k <= 0:
-        return PrefillLine(y0, x0, 0.0)
-    return PrefillLine(max(0.0, a), x0, k)
 
 
 def line_is_stale(newest_at: float | None, now: float, in_flight: int, idle_reset_s: float = IDLE_RESET_S) -> bool:
@@ -289,6 +247,11 @@ class LoadTracker:
         self._line_at = float("-inf")  # when the line was last fitted (at most once a second)
         self._line_dirty = False
         self._awaiting: dict[int, int] = {}  # id(ticket) -> prompt tokens, for requests without a first token yet
+        self._gated: dict[int, list] = {}  # id(ticket) -> [prompt tokens, passed the gate at | None], arrival order
+        self._service: deque[tuple[float, float, float]] = deque(maxlen=max(1, prefill_samples))  # (at, tokens, s)
+        self._gate_line: PrefillLine | None = None
+        self._gate_line_at = float("-inf")
+        self._gate_dirty = False
         self._pending_prefill = 0  # sum of self._awaiting's values
         self._busy: deque[tuple[float, float]] = deque()  # closed (start, end) spells with a request in flight
         self._busy_closed_s = 0.0  # sum of end - start over self._busy
@@ -318,11 +281,25 @@ class LoadTracker:
             self._pending_prefill += tokens
         return ticket
 
+    def on_gate_wait(self, ticket: Ticket) -> None:
+        """The request waits for ``overflow.prefill_gate`` (it is in the gate's queue from now)."""
+        self._gated[id(ticket)] = [ticket.prompt_tokens, None]
+
+    def on_gate_enter(self, ticket: Ticket, now: float | None = None) -> None:
+        """The request passed the gate: it goes to the engine now."""
+        g = self._gated.get(id(ticket))
+        if g is not None:
+            g[1] = self._now(now)
+
     def on_first_token(self, ticket: Ticket, now: float | None = None, ttft_s: float | None = None) -> float:
         """The first streamed token arrived (skip for non-streamed requests). Returns the TTFT recorded."""
         t = self._now(now)
         ttft = max(0.0, t - ticket.started_at) if ttft_s is None else ttft_s
         self._ttfts.add(t, ttft)
+        g = self._gated.get(id(ticket))
+        if g is not None and g[1] is not None and ticket.position <= self.capacity:
+            self._service.append((t, ticket.prompt_tokens, max(0.0, t - g[1])))
+            self._gate_dirty = True
         self._prefilled(ticket)
         if ticket.position <= self.capacity:
             self._prefill.append((t, ticket.prompt_tokens + ticket.pending_ahead, ttft))
@@ -381,6 +358,7 @@ class LoadTracker:
             if peer_drain > 0:  # the engines drain everyone's requests: the drain rate is the sum
                 drain = (drain or 0.0) + peer_drain
         line = self._prefill_line(t)
+        gate = self._service_line(t)
         newest = self._prefill[-1][0] if self._prefill else None
         return QueueSignals(
             now=t,
@@ -397,6 +375,10 @@ class LoadTracker:
             base_prefill_tokens=line.base_work if line else None,
             prefill_stale=line_is_stale(newest, t, in_flight, self.idle_reset_s),
             busy_s=busy,
+            gate_queue=tuple((tokens, None if at is None else max(0.0, t - at)) for tokens, at in self._gated.values()),
+            gate_base_s=gate.base_ttft_s if gate else None,
+            gate_base_tokens=gate.base_work if gate else None,
+            gate_s_per_token=gate.slope if gate else None,
         )
 
     # -- internals -------------------------------------------------------------------------------
@@ -409,6 +391,7 @@ class LoadTracker:
         tokens = self._awaiting.pop(id(ticket), None)
         if tokens is not None:
             self._pending_prefill -= tokens
+        self._gated.pop(id(ticket), None)
 
     def _prefill_line(self, now: float) -> PrefillLine | None:
         samples = self._prefill
@@ -422,6 +405,20 @@ class LoadTracker:
             self._line = prefill_line([(w, y) for _, w, y in samples])
             self._line_at, self._line_dirty = now, False
         return self._line
+
+    def _service_line(self, now: float) -> PrefillLine | None:
+        """The gate's service line: :func:`prefill_line` over the gated prompts' (tokens, gate to first token)."""
+        samples = self._service
+        horizon = now - self.prefill_ttl_s
+        while samples and samples[0][0] < horizon:
+            samples.popleft()
+            self._gate_dirty = True
+        if len(samples) < GATE_MIN_SAMPLES:
+            self._gate_line, self._gate_dirty = None, False
+        elif self._gate_dirty and (now - self._gate_line_at >= 1.0 or self._gate_line is None):
+            self._gate_line = prefill_line([(w, y) for _, w, y in samples])
+            self._gate_line_at, self._gate_dirty = now, False
+        return self._gate_line
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_s

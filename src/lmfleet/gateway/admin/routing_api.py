@@ -53,6 +53,10 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
                 "base_prefill_tokens": s.base_prefill_tokens, "prefill_stale": s.prefill_stale,
                 "prefill_gate": ({"holding": m.local.gate.holding, "waiting": m.local.gate.waiting,
                                   "limit": m.local.gate.limit} if m.gated else None),
+                "gate_service_line": ({"base_ms": round(s.gate_base_s * 1e3, 1), "base_tokens": s.gate_base_tokens,
+                                       "ms_per_1k_tokens": round((s.gate_s_per_token or 0.0) * 1e6, 1)}
+                                      if s.gate_base_s is not None else None),
+                "gate_line": m.gate_line,
                 "prefill_gate_setting": m.prefill_gate,
                 "estimate_calibration": c.as_dict() if (c := gw.recorder.calibration.summary(n)) else None,
                 **routing_state(gw, n, m.app.cfg.deployment.request_router),
@@ -78,6 +82,9 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
         if gate is not None and not isinstance(gate, bool) and gate != "auto":
             raise GatewayError(400, f"prefill_gate must be true, false or \"auto\", got {gate!r}",
                                param="prefill_gate")
+        gate_line = body.get("gate_line")
+        if gate_line is not None and not isinstance(gate_line, bool):
+            raise GatewayError(400, f"gate_line must be true or false, got {gate_line!r}", param="gate_line")
         floor = body.get("miss_floor")
         if floor is not None:
             try:
@@ -93,6 +100,8 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
             m.timers = timers[m.name]
             if gate is not None:
                 m.prefill_gate = gate
+            if gate_line is not None:
+                m.gate_line = gate_line
             if floor is not None:
                 m.margin.floor = floor
         log.info("admin: overflow for %s set to mode=%s threshold_ms=%s policy=%s", [m.name for m in targets], mode,
@@ -100,7 +109,8 @@ def routing_routes(gw: Gateway, cfg: GatewayConfig) -> APIRouter:
         return {"models": {m.name: {"mode": m.mode.value, "threshold_ms": m.threshold_ms,
                                     "policy": m.timers.policy.value, "ttft_timeout_ms": m.timers.ttft_timeout_ms,
                                     "hedge_after_ms": m.timers.hedge_after_ms, "prefill_gate": m.prefill_gate,
-                                    "prefill_gate_on": m.gated, "miss_floor": m.margin.floor}
+                                    "prefill_gate_on": m.gated, "gate_line": m.gate_line,
+                                    "miss_floor": m.margin.floor}
                            for m in targets}}
 
     return r

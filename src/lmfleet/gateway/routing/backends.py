@@ -95,7 +95,11 @@ class LocalBackend:
 
     async def pass_gate(self, slot: Any, timeout_s: float) -> bool:
         """Wait for :attr:`gate` (``overflow.prefill_gate``); False: ``timeout_s`` passed first."""
-        return await self.gate.enter(id(slot), timeout_s)
+        self.tracker.on_gate_wait(slot)
+        if not await self.gate.enter(id(slot), timeout_s):
+            return False
+        self.tracker.on_gate_enter(slot)
+        return True
 
     def first_token(self, slot: Any) -> None:
         self.gate.leave(id(slot))

@@ -35,13 +35,15 @@ from lmfleet.overflow.admission import Admission
 from lmfleet.overflow.budget import DAY_S
 from lmfleet.overflow.estimator import cold_ttft_for
 from lmfleet.overflow.margin import applied_margin_ms
-from lmfleet.overflow.policies import Permissions
+from lmfleet.overflow.policies import Permissions, Policy
 from lmfleet.store import Cap, Ledger, StoreUnavailable, caps_for_budget, tenant_key
 from lmfleet.tenants import PRIORITY_HEADER, Tenant, TenantBook, Ticket
 
 log = logging.getLogger("lmfleet.gateway")
 
 BUDGET_CACHE_S = 1.0
+RACED = (Policy.HEDGE, Policy.TTFT_TIMEOUT)
+"""Policies whose local attempts race a timer and so do not pass the prefill gate."""
 
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
@@ -151,7 +153,13 @@ class Router:
         o = m.app.cfg.overflow
         return estimate_wait_ms(fed, m.app.capacity, cold_service_s=o.cold_service_s,
                                 cold_ttft_s=cold_ttft_for(fed, o.cold_ttft_s, m.threshold_ms),
-                                prompt_tokens=prompt_tokens)
+                                prompt_tokens=prompt_tokens, gated=Router._gated(m), gate_limit=m.local.gate.limit)
+
+    @staticmethod
+    def _gated(m: ServedModel) -> bool:
+        """Whether a request of ``m`` would pass the prefill gate and is priced on its service line: the gate on,
+        ``gate_line`` on, and a policy whose local attempts race no timer."""
+        return m.gated and m.gate_line and m.timers.policy not in RACED
 
     async def budget_status(self) -> BudgetStatus | None:
         """External spend against the caps (read from the ledger at most once per ``BUDGET_CACHE_S``)."""

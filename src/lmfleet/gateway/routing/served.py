@@ -40,6 +40,10 @@ class ServedModel:
     prefill_gate: bool | Literal["auto"] = False
     """``overflow.prefill_gate`` (the operator may change it: POST /admin/overflow); :attr:`gated` says whether it
     is on now."""
+    gate_line: bool = True
+    """Price a request that would pass the prefill gate on the gate's service line (:func:`gate_wait_s
+    <lmfleet.overflow.estimator.gate_wait_s>`); False: on the prefill line, as an ungated one (POST /admin/overflow
+    ``gate_line``)."""
     margin: MissMargin = field(default_factory=MissMargin)
     """How much longer than predicted its recent near-threshold local requests waited (``overflow.miss_quantile``)."""
     _peers_overflowing: tuple[float, bool] = field(default=(0.0, False), repr=False)
