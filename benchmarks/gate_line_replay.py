@@ -35,6 +35,7 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
+from lmfleet.overflow.estimate_error import percentile
 from lmfleet.overflow.estimator import gate_wait_s
 from lmfleet.overflow.signals import GATE_MIN_SAMPLES, PREFILL_SAMPLES, QueueSignals, prefill_line
 
@@ -84,18 +85,13 @@ def replay(rows: Iterable[dict], policy: str) -> list[tuple[float, float, float]
     return out
 
 
-def p90(values: list[float]) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, round(0.9 * (len(v) - 1)))] if v else math.nan
-
-
 def score(rows: list[tuple[float, float, float]], threshold_s: float, near: float) -> dict:
     late = [r for r in rows if r[0] > threshold_s]
     on_time = [r for r in rows if r[0] <= threshold_s]
     edge = near * threshold_s
     return {"n": len(rows),
-            "recorded_p90_pct": 100 * p90([abs(a - b) for a, b, _ in rows]) / threshold_s,
-            "replayed_p90_pct": 100 * p90([abs(a - c) for a, _, c in rows]) / threshold_s,
+            "recorded_p90_pct": 100 * percentile([abs(a - b) for a, b, _ in rows], 90) / threshold_s,
+            "replayed_p90_pct": 100 * percentile([abs(a - c) for a, _, c in rows], 90) / threshold_s,
             "late": len(late),
             "late_near_recorded": sum(b >= edge for _, b, _ in late),
             "late_near_replayed": sum(c >= edge for _, _, c in late),

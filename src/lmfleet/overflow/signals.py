@@ -209,6 +209,43 @@ class _RecentMedian:
         del self._sorted[bisect_left(self._sorted, value)]
 
 
+class _RollingLine:
+    """:func:`prefill_line` over the last ``maxlen`` ``(x, y)`` samples of the last ``ttl_s`` seconds, refitted at
+    most once a second; None with fewer than ``min_samples``."""
+
+    def __init__(self, maxlen: int, ttl_s: float, min_samples: int = 1) -> None:
+        self.ttl_s = ttl_s
+        self.min_samples = max(1, min_samples)
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=max(1, maxlen))  # (at, x, y)
+        self._line: PrefillLine | None = None
+        self._at = float("-inf")  # when the line was last fitted
+        self._dirty = False
+
+    @property
+    def newest_at(self) -> float | None:
+        return self._samples[-1][0] if self._samples else None
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def add(self, at: float, x: float, y: float) -> None:
+        self._samples.append((at, x, y))
+        self._dirty = True
+
+    def line(self, now: float) -> PrefillLine | None:
+        samples = self._samples
+        horizon = now - self.ttl_s
+        while samples and samples[0][0] < horizon:
+            samples.popleft()
+            self._dirty = True
+        if len(samples) < self.min_samples:
+            self._line, self._dirty = None, False
+        elif self._dirty and (now - self._at >= 1.0 or self._line is None):
+            self._line = prefill_line([(x, y) for _, x, y in samples])
+            self._at, self._dirty = now, False
+        return self._line
+
+
 class LoadTracker:
     """Measures one model's local load. Not thread-safe: call it from the gateway's event loop."""
 
@@ -240,18 +277,11 @@ class LoadTracker:
         self._completions: deque[tuple[float, int]] = deque()  # (finished_at, output_tokens)
         self._completion_tokens = 0  # sum of output_tokens over self._completions
         self._ttfts = _RecentMedian(ttft_samples)
-        self.prefill_ttl_s = prefill_ttl_s
         self.idle_reset_s = idle_reset_s
-        self._prefill: deque[tuple[float, float, float]] = deque(maxlen=max(1, prefill_samples))  # (at, work, ttft)
-        self._line: PrefillLine | None = None
-        self._line_at = float("-inf")  # when the line was last fitted (at most once a second)
-        self._line_dirty = False
+        self._prefill = _RollingLine(prefill_samples, prefill_ttl_s)  # (work, ttft) of unqueued requests
         self._awaiting: dict[int, int] = {}  # id(ticket) -> prompt tokens, for requests without a first token yet
         self._gated: dict[int, list] = {}  # id(ticket) -> [prompt tokens, passed the gate at | None], arrival order
-        self._service: deque[tuple[float, float, float]] = deque(maxlen=max(1, prefill_samples))  # (at, tokens, s)
-        self._gate_line: PrefillLine | None = None
-        self._gate_line_at = float("-inf")
-        self._gate_dirty = False
+        self._service = _RollingLine(prefill_samples, prefill_ttl_s, GATE_MIN_SAMPLES)  # (tokens, gate to 1st token)
         self._pending_prefill = 0  # sum of self._awaiting's values
         self._busy: deque[tuple[float, float]] = deque()  # closed (start, end) spells with a request in flight
         self._busy_closed_s = 0.0  # sum of end - start over self._busy
@@ -298,12 +328,10 @@ class LoadTracker:
         self._ttfts.add(t, ttft)
         g = self._gated.get(id(ticket))
         if g is not None and g[1] is not None and ticket.position <= self.capacity:
-            self._service.append((t, ticket.prompt_tokens, max(0.0, t - g[1])))
-            self._gate_dirty = True
+            self._service.add(t, ticket.prompt_tokens, max(0.0, t - g[1]))
         self._prefilled(ticket)
         if ticket.position <= self.capacity:
-            self._prefill.append((t, ticket.prompt_tokens + ticket.pending_ahead, ttft))
-            self._line_dirty = True
+            self._prefill.add(t, ticket.prompt_tokens + ticket.pending_ahead, ttft)
         return ttft
 
     def on_finish(self, ticket: Ticket, output_tokens: int = 0, ok: bool = True, now: float | None = None) -> None:
@@ -357,9 +385,9 @@ class LoadTracker:
             in_flight += peer_in_flight
             if peer_drain > 0:  # the engines drain everyone's requests: the drain rate is the sum
                 drain = (drain or 0.0) + peer_drain
-        line = self._prefill_line(t)
-        gate = self._service_line(t)
-        newest = self._prefill[-1][0] if self._prefill else None
+        line = self._prefill.line(t)
+        gate = self._service.line(t)
+        newest = self._prefill.newest_at
         return QueueSignals(
             now=t,
             in_flight=in_flight,
@@ -392,33 +420,6 @@ class LoadTracker:
         if tokens is not None:
             self._pending_prefill -= tokens
         self._gated.pop(id(ticket), None)
-
-    def _prefill_line(self, now: float) -> PrefillLine | None:
-        samples = self._prefill
-        horizon = now - self.prefill_ttl_s
-        while samples and samples[0][0] < horizon:
-            samples.popleft()
-            self._line_dirty = True
-        if not samples:
-            self._line, self._line_dirty = None, False
-        elif self._line_dirty and (now - self._line_at >= 1.0 or self._line is None):
-            self._line = prefill_line([(w, y) for _, w, y in samples])
-            self._line_at, self._line_dirty = now, False
-        return self._line
-
-    def _service_line(self, now: float) -> PrefillLine | None:
-        """The gate's service line: :func:`prefill_line` over the gated prompts' (tokens, gate to first token)."""
-        samples = self._service
-        horizon = now - self.prefill_ttl_s
-        while samples and samples[0][0] < horizon:
-            samples.popleft()
-            self._gate_dirty = True
-        if len(samples) < GATE_MIN_SAMPLES:
-            self._gate_line, self._gate_dirty = None, False
-        elif self._gate_dirty and (now - self._gate_line_at >= 1.0 or self._gate_line is None):
-            self._gate_line = prefill_line([(w, y) for _, w, y in samples])
-            self._gate_line_at, self._gate_dirty = now, False
-        return self._gate_line
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_s
