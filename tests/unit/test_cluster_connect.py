@@ -160,4 +160,6 @@ def test_commands_given_a_dead_head_address_fail_in_seconds(argv, code):
                          cwd=root, capture_output=True, text=True, timeout=60)
     assert out.returncode == code, out.stdout + out.stderr
     assert f"no Ray cluster at 127.0.0.1:{port} (Connection refused)" in out.stderr, out.stderr
+    line = next(ln for ln in out.stderr.splitlines() if "no Ray cluster at" in ln)
+    assert line.count(f"127.0.0.1:{port}") == 1, line  # said once, not again by the caller's prefix
     assert "Traceback" not in out.stderr

@@ -55,7 +55,7 @@ def changes_table(changes: list[Change], title: str, blocked: list[Change]) -> T
 def open_store(address: str | None, fleet: FleetConfig) -> FleetStore:
     """The running fleet's store in the cluster at ``address`` (--address, RAY_ADDRESS, cluster.address, else the
     cluster on this machine); the boundary the CLI tests replace."""
-    from lmfleet.cluster.connect import check_reachable, resolve_ray_address
+    from lmfleet.cluster.connect import NoRayHead, check_reachable, resolve_ray_address
     from lmfleet.cluster.fleet_store import CURRENT_KEY, RayKV
     from lmfleet.cluster.join import present_ray_token
     from lmfleet.ray_private import gcs_client
@@ -68,6 +68,8 @@ def open_store(address: str | None, fleet: FleetConfig) -> FleetStore:
             check_reachable(addr)  # in seconds; Ray's client gives up on a dead address after about 40 s
         kv = RayKV(gcs_client(addr))
         kv.get(CURRENT_KEY)  # reached, and the token (if the cluster wants one) accepted
+    except NoRayHead as e:  # names the address already
+        fail(str(e), EXIT_REFUSED)
     except Exception as e:  # Ray's client raises its own RPC errors as well as ConnectionError
         fail(f"cannot reach the Ray cluster at {where}: {e}", EXIT_REFUSED)
     return FleetStore(kv)

@@ -28,6 +28,7 @@ from lmfleet.cluster.join import (
 )
 from lmfleet.cluster.launcher import LauncherError, launcher_config, launcher_warnings, manual_commands
 from lmfleet.cluster.placement import nodes_from_cluster, plan_placement
+from lmfleet.cluster.connect import NoRayHead
 from lmfleet.cluster.probe import collect_status
 from lmfleet.cluster.status import render_status
 from lmfleet.config.models import FleetConfig
@@ -180,6 +181,8 @@ def status(
     with data_stdout() as stdout:
         try:
             st = collect_status(address, gateway_url, admin_key, fleet=cfg)
+        except NoRayHead as e:  # names the address already
+            fail(str(e), 1)
         except ConnectionError as e:
             fail(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS / cluster.address / auto'}: {e}", 1)
         rows = _gateways()

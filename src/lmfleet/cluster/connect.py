@@ -56,9 +56,13 @@ def split_address(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+class NoRayHead(ConnectionError):
+    """Nothing listens at the Ray head's address; the message names the address and says what to do."""
+
+
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail in seconds when nothing listens at the Ray head's address (``ray.init`` waits on such an address for
-    minutes without a word); ``auto``, ``local`` and ``ray://`` addresses are left to Ray. Raises ConnectionError
+    minutes without a word); ``auto``, ``local`` and ``ray://`` addresses are left to Ray. Raises NoRayHead
     with one line."""
     hp = split_address(address)
     if hp is None:
@@ -66,7 +70,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     try:
         socket.create_connection(hp, timeout=timeout_s).close()
     except OSError as e:
-        raise ConnectionError(f"no Ray cluster at {address} ({e.strerror or e}); start one with `lmfleet serve` "
+        raise NoRayHead(f"no Ray cluster at {address} ({e.strerror or e}); start one with `lmfleet serve` "
                               f"or `lmfleet cluster up`, or pass the head's GCS address with --address") from None
 
 

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from lmfleet.cluster.connect import connect, split_address
+from lmfleet.cluster.connect import NoRayHead, connect, split_address
 from lmfleet.cluster.join import present_ray_token
 from lmfleet.config.models import FleetConfig
 from lmfleet.engine.app import gateway_model_apps
@@ -335,6 +335,8 @@ def run_gateway(fleet: FleetConfig, *, config_path: Path | None, host: str, port
         present_ray_token()
         try:
             connect(address or "auto", logging_level=logging.WARNING, configure_logging=True)
+        except NoRayHead:  # names the address already
+            raise
         except ConnectionError as e:
             raise ConnectionError(f"cannot join the Ray cluster at {address or 'auto (this machine)'}: {e}") from None
         import ray
