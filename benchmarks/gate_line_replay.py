@@ -4,6 +4,7 @@ request kept local, against the estimate the run recorded and the wait the reque
     .venv/bin/python benchmarks/gate_line_replay.py \
         docs/benchmarks/bench_overflow_policies_2026-12-07_az2550.outcomes.jsonl.gz@predictive ...
     .venv/bin/python benchmarks/gate_line_replay.py --smoke      # a synthetic run, seconds; not a measurement
+    .venv/bin/python benchmarks/gate_line_replay.py --cold docs/benchmarks/estimator_dataset_*gateline*.jsonl.gz
 
 Each ``PATH@POLICY`` is a ``bench_overflow_policies.py`` run's ``outcomes.jsonl(.gz)`` and an arm that ran with
 ``overflow.prefill_gate`` on (the ``predictive`` arm since the gate is ``auto``; ``predictive gated`` before). Per
@@ -23,6 +24,14 @@ threshold), the late requests (TTFT over the threshold) and how many each estima
 ``--near`` x the threshold (where the miss margin spills them), and the on-time requests the replayed estimate put
 there that the recorded one did not (spills it would add). The replay sees what the recorded decisions let through:
 requests the recorded estimate spilled are not in it.
+
+``--cold``: estimator datasets (``bench_overflow_policies.py --dataset-out``, rows with the gate's queue recorded)
+instead. Their gated rows (the ``predictive`` arm) admitted before the service line had its samples, while the
+prefill line was not stale and prompts were at the engine or in the gate, were estimated on the prefill line; each
+is priced again with the shipped :func:`lmfleet.overflow.estimator.estimate_wait_ms` on the signals it recorded
+(``gated``: the prefill line's TTFT per held prompt). Per dataset: those rows, their recorded and replayed P90
+error, the late ones, how many of them the replayed estimate plus the recorded miss margin puts over the threshold
+(caught) and the on-time ones it does (spills added).
 """
 
 from __future__ import annotations
@@ -35,8 +44,9 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
+from lmfleet.overflow.admission import parse_admission
 from lmfleet.overflow.estimate_error import percentile
-from lmfleet.overflow.estimator import gate_wait_s
+from lmfleet.overflow.estimator import estimate_wait_ms, gate_wait_s
 from lmfleet.overflow.signals import GATE_MIN_SAMPLES, PREFILL_SAMPLES, QueueSignals, prefill_line
 
 
@@ -98,6 +108,48 @@ def score(rows: list[tuple[float, float, float]], threshold_s: float, near: floa
             "spills_added": sum(c >= edge > b for _, b, c in on_time)}
 
 
+def cold_rows(rows: Iterable[dict]) -> list[tuple[float, float, float, float, float]]:
+    """``(realised_s, recorded_s, replayed_s, applied_margin_s, threshold_s)`` for each gated row admitted before
+    the service line had samples (module docstring, ``--cold``)."""
+    out = []
+    for r in sorted(rows, key=lambda r: r["ts"]):
+        if r["policy"] != "predictive" or r.get("realised_wait_ms") is None:
+            continue
+        a = parse_admission(r["admission"])
+        s = a.signals
+        if s.gate_base_s is not None or s.prefill_stale or not (s.gate_queue or s.pending_prefill_tokens):
+            continue
+        replayed = estimate_wait_ms(s, a.capacity, prompt_tokens=a.prompt_tokens, gated=True)
+        out.append((r["realised_wait_ms"] / 1e3, a.estimate_ms / 1e3, replayed / 1e3, (a.applied_margin_ms or 0) / 1e3,
+                    a.threshold_ms / 1e3))
+    return out
+
+
+def score_cold(rows: list[tuple[float, float, float, float, float]]) -> dict:
+    late = [r for r in rows if r[0] > r[4]]
+    thr = rows[0][4] if rows else 1.0
+    err = (lambda i: 100 * percentile([abs(r[0] - r[i]) for r in rows], 90) / thr) if rows else (lambda i: 0.0)
+    return {"n": len(rows), "recorded_p90_pct": err(1), "replayed_p90_pct": err(2), "late": len(late),
+            "caught": sum(r[2] + r[3] > r[4] for r in late),
+            "spills_added": sum(r[2] + r[3] > r[4] >= r[1] + r[3] for r in rows if r[0] <= r[4])}
+
+
+def synthetic_cold() -> list[dict]:
+    """A burst of short prompts meeting the gate with no service line: 0.4 s a prompt, priced at 1 ms a token."""
+    sig = {"now": 0.0, "in_flight": 0, "drain_rps": 1.0, "output_tps": None, "ttft_s": None, "base_ttft_s": 0.4,
+           "completions_in_window": 0, "prefill_s_per_token": 0.001, "base_prefill_tokens": 100.0}
+    rows = []
+    for i in range(10):
+        queue = [[100, None]] * i
+        s = {**sig, "in_flight": i, "pending_prefill_tokens": 100 * i, "gate_queue": queue}
+        est = 400.0 + 100.0 * i
+        rows.append({"ts": float(i), "policy": "predictive", "realised_wait_ms": 400.0 * (i + 1),
+                     "predicted_wait_ms": est, "admission": {"signals": s, "capacity": 16, "prompt_tokens": 100,
+                                                             "estimate_ms": est, "threshold_ms": 2500.0, "order": i,
+                                                             "margin_ms": 0.0, "applied_margin_ms": 0.0}})
+    return rows
+
+
 def synthetic(seed: int = 1) -> list[dict]:
     """One gated arm, 2 rounds of 60 requests: a serial engine whose service is 0.3 s + 2 ms a token."""
     rng, rows = random.Random(seed), []
@@ -120,7 +172,10 @@ def main() -> None:
     ap.add_argument("--near", type=float, default=0.85, help="share of the threshold counted as spilled")
     ap.add_argument("--smoke", action="store_true", help="a synthetic run instead (seconds; not a measurement)")
     ap.add_argument("--json", type=Path, help="also write the scores here")
+    ap.add_argument("--cold", action="store_true", help="the arguments are estimator datasets (module docstring)")
     args = ap.parse_args()
+    if args.cold:
+        return cold_main(args)
     runs = [("synthetic", synthetic(), "predictive")] if args.smoke else []
     for spec in args.runs:
         path, _, policy = spec.partition("@")
@@ -141,6 +196,24 @@ def main() -> None:
               f"{s['late']} | {s['late_near_recorded']} / {s['late_near_replayed']} | {s['spills_added']:+d} |")
     print(f"\nall runs: {totals[0]} late, {totals[1]} near the threshold on the recorded estimate, {totals[2]} on "
           f"the replayed; {totals[3]} spills added")
+    if args.json:
+        args.json.write_text(json.dumps(scores, indent=1))
+
+
+def cold_main(args: argparse.Namespace) -> None:
+    sets = [("synthetic", synthetic_cold())] if args.smoke else []
+    sets += [(Path(p).name.removesuffix(".gz").removesuffix(".jsonl"), read(p)) for p in args.runs]
+    if not sets:
+        raise SystemExit("give estimator datasets, or --smoke")
+    print("| dataset | gated rows before the service line | P90 error recorded | replayed | late | caught | "
+          "spills added |\n|---|---|---|---|---|---|---|")
+    scores, totals = {}, [0, 0, 0, 0]
+    for name, rows in sets:
+        s = scores[name] = score_cold(cold_rows(rows))
+        totals = [a + b for a, b in zip(totals, (s["n"], s["late"], s["caught"], s["spills_added"]))]
+        print(f"| {name} | {s['n']} | {s['recorded_p90_pct']:.0f} % | {s['replayed_p90_pct']:.0f} % | {s['late']} | "
+              f"{s['caught']} | {s['spills_added']:+d} |")
+    print(f"\nall: {totals[0]} rows, {totals[1]} late, {totals[2]} caught, {totals[3]} spills added")
     if args.json:
         args.json.write_text(json.dumps(scores, indent=1))
 

@@ -28,6 +28,7 @@ SMOKE = [
     ("estimator_loto.py", ["--smoke", "--miss-floors", "0", "0.15", "--out", "out"]),
     ("overflow_report.py", ["--smoke", "--refit-oracle", "--out", "out"]),
     ("gate_line_replay.py", ["--smoke"]),
+    ("gate_line_replay.py", ["--cold", "--smoke"]),
 ]
 # start engines (or need GPUs): their imports and arguments only
 HELP_ONLY = ["bench_gateway.py", "gpu_serve.py", "bench_overflow.py", "bench_gateways_overload.py",

@@ -40,8 +40,15 @@ def sig(**kw) -> QueueSignals:
     # 0.4 s at 200 tokens; no slope anywhere: flat
     (sig(gate_s_per_token=None), 1200, 1, 1.4),
     (sig(gate_s_per_token=None, prefill_s_per_token=None), 1200, 1, 0.4),
-    # no service line, or a stale prefill line: None (the prefill line decides)
-    (sig(gate_base_s=None), 100, 1, None),
+    # no service line yet: the prefill line's TTFT of a prompt alone, 0.5 s at 300 tokens, 1 ms a token; own 0.3 s
+    (sig(gate_base_s=None), 100, 1, 0.3),
+    # ... and each held prompt a whole TTFT of its own: 3 x 0.3 s ahead, not 3 x 100 tokens x 1 ms
+    (sig(gate_base_s=None, gate_queue=((100, None),) * 3, pending_prefill_tokens=300, in_flight=3), 100, 1, 1.2),
+    # ... a prefill line without a slope yet: its median TTFT for each, flat: 2 x 0.5 s
+    (sig(gate_base_s=None, prefill_s_per_token=None, gate_queue=((900, None),), pending_prefill_tokens=900,
+         in_flight=1), 100, 1, 1.0),
+    # no TTFT measured, or a stale prefill line: None (the cold defaults, or the prefill line, decide)
+    (sig(gate_base_s=None, base_ttft_s=None), 100, 1, None),
     (sig(prefill_stale=True), 100, 1, None),
 ])
 def test_gate_wait(signals, prompt, limit, expected_s):

@@ -46,10 +46,13 @@ that would pass the gate (:func:`gate_wait_s`) while a slot is free (``q <= 0``)
            + k x (pending prompts that did not pass the gate) + s(prompt_tokens)
 
 Behind a full engine (``q > 0``) the held prompts wait for slots more than for the gate, and the queue term with
-the prefill line decides, as for a request that does not pass the gate. ``s`` takes the prefill line's slope ``k`` until its own samples span enough tokens to measure one. A prefill line
-fitted on TTFTs by the tokens ahead puts the step each held prompt adds into its slope, so it undercounts a queue
-of short prompts (each a whole step) and overcounts a few long ones. Until the service line has its samples, or
-while the prefill line is stale, the prefill line decides.
+the prefill line decides, as for a request that does not pass the gate. ``s`` takes the prefill line's slope ``k``
+until its own samples span enough tokens to measure one. A prefill line fitted on TTFTs by the tokens ahead puts
+the step each held prompt adds into its slope, so it undercounts a queue of short prompts (each a whole step) and
+overcounts a few long ones. Until the service line has its samples, ``s`` is the prefill line's TTFT of a prompt
+alone at the engine, ``base_ttft + k x (tokens - base tokens)``: each held prompt still costs a step of its own,
+where pricing it on the slope alone let a burst right after a spell without the gate (overflow off) pass the gate
+at a few milliseconds a prompt. While the prefill line is stale, the prefill line decides.
 
 Assumptions (and what they cost)
 --------------------------------
@@ -202,17 +205,22 @@ def gate_wait_s(signals: QueueSignals, prompt_tokens: int, limit: int = 1) -> fl
     prompt in the gate's queue ahead of it costs its service time on the gate's service line (a prompt already
     through the gate, what is left of it), shared among the ``limit`` prompts the gate lets through at once, then its
     own; prompts at the engine that did not pass the gate add the prefill line's slope per token. Until the service
-    line has a slope (its samples too close in size), the prefill line's slope from the service line's base. None
-    while the service line is unmeasured or the prefill line is stale. Pure."""
-    if signals.gate_base_s is None or signals.prefill_stale:
+    line has a slope (its samples too close in size), the prefill line's slope from the service line's base; until
+    it has samples, the prefill line itself. None while no TTFT is measured or the prefill line is stale. Pure."""
+    if signals.prefill_stale:
         return None
-    # the service line's slope once its samples span enough tokens to measure one, else the prefill line's: a flat
-    # line fitted on short prompts alone would price a long prompt at a short one's service
-    k = signals.gate_s_per_token if signals.gate_s_per_token is not None else (signals.prefill_s_per_token or 0.0)
-    x0 = signals.gate_base_tokens or 0.0
+    if signals.gate_base_s is not None:
+        # the service line's slope once its samples span enough tokens to measure one, else the prefill line's: a
+        # flat line fitted on short prompts alone would price a long prompt at a short one's service
+        k = signals.gate_s_per_token if signals.gate_s_per_token is not None else (signals.prefill_s_per_token or 0.0)
+        base, x0 = signals.gate_base_s, signals.gate_base_tokens or 0.0
+    elif signals.base_ttft_s is not None:
+        k, base, x0 = signals.prefill_s_per_token or 0.0, signals.base_ttft_s, signals.base_prefill_tokens or 0.0
+    else:
+        return None
 
     def service(tokens: int) -> float:
-        return max(0.0, signals.gate_base_s + k * (tokens - x0))  # type: ignore[operator]
+        return max(0.0, base + k * (tokens - x0))
 
     ahead = 0.0
     queued = 0
