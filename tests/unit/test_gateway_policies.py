@@ -260,7 +260,9 @@ async def test_the_miss_floor_applies_to_an_idle_engine_once_its_prefill_line_is
 async def test_the_margins_prior_spills_near_the_threshold_while_the_engine_is_busy_never_when_idle(tmp_path):
     app = make_gateway(tmp_path, slow(["w"], 1.0), {"p": provider_ok})
     c = await started_client(app)
-    await _policy(c, threshold_ms=1200)  # cold estimate 1000 ms: near the threshold, no samples yet
+    # cold estimate 1000 ms: near the threshold, no samples yet; the prefill gate off, so a prompt sent beside another
+    # is predicted at the base TTFT (with it on, it would wait for the other's first token as well)
+    await _policy(c, threshold_ms=1200, prefill_gate=False)
     r = await c.post("/v1/chat/completions", json=STREAM)  # idle: no prior, kept local on its estimate
     assert r.headers["x-lmfleet-served-by"] == "local/m"
     first = asyncio.create_task(c.post("/v1/chat/completions", json=STREAM))
@@ -269,6 +271,20 @@ async def test_the_margins_prior_spills_near_the_threshold_while_the_engine_is_b
     estimate = float(r.headers["x-lmfleet-queue-estimate-ms"])
     assert 1200 - 360 < estimate < 1200  # local on the estimate alone
     assert r.headers["x-lmfleet-served-by"] == "provider/p"  # estimate + 0.3 x 1200 > 1200
+    assert (await first).headers["x-lmfleet-served-by"] == "local/m"
+
+
+async def test_behind_the_prefill_gate_a_prompt_waits_for_the_one_through_it_before_the_gates_line_is_measured(
+        tmp_path):
+    app = make_gateway(tmp_path, slow(["w"], 1.0), {"p": provider_ok})
+    c = await started_client(app)
+    await _policy(c, threshold_ms=1200, prefill_gate=True)
+    await c.post("/v1/chat/completions", json=STREAM)  # measures the base TTFT: 1 s
+    first = asyncio.create_task(c.post("/v1/chat/completions", json=STREAM))
+    await asyncio.sleep(0.2)  # through the gate 0.2 s ago; the gate's service line has no samples yet
+    r = await c.post("/v1/chat/completions", json=STREAM)
+    assert 1500 < float(r.headers["x-lmfleet-queue-estimate-ms"]) < 2000  # ~0.8 s left of it + its own 1 s
+    assert r.headers["x-lmfleet-route-reason"] == "queue_estimate_above_threshold"
     assert (await first).headers["x-lmfleet-served-by"] == "local/m"
 
 
