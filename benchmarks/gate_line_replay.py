@@ -127,8 +127,10 @@ def cold_rows(rows: Iterable[dict]) -> list[tuple[float, float, float, float, fl
 
 def score_cold(rows: list[tuple[float, float, float, float, float]]) -> dict:
     late = [r for r in rows if r[0] > r[4]]
-    thr = rows[0][4] if rows else 1.0
-    err = (lambda i: 100 * percentile([abs(r[0] - r[i]) for r in rows], 90) / thr) if rows else (lambda i: 0.0)
+
+    def err(i: int) -> float:  # P90 |realised - estimate i|, % of the threshold
+        return 100 * percentile([abs(r[0] - r[i]) for r in rows], 90) / rows[0][4] if rows else 0.0
+
     return {"n": len(rows), "recorded_p90_pct": err(1), "replayed_p90_pct": err(2), "late": len(late),
             "caught": sum(r[2] + r[3] > r[4] for r in late),
             "spills_added": sum(r[2] + r[3] > r[4] >= r[1] + r[3] for r in rows if r[0] <= r[4])}
